@@ -1,0 +1,6 @@
+"""domainfm.configs — installed as a subpackage of domainfm, never as a top-level package."""
+if not __name__.startswith("domainfm."):
+    raise ImportError(
+        f"'{__name__}' is the repository folder of domainfm.configs and is not a top-level package: "
+        "install the project (pip install -e '.[test]') and import 'domainfm.configs' instead."
+    )

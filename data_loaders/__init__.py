@@ -1,0 +1,6 @@
+"""domainfm.data_loaders — installed as a subpackage of domainfm, never as a top-level package."""
+if not __name__.startswith("domainfm."):
+    raise ImportError(
+        f"'{__name__}' is the repository folder of domainfm.data_loaders and is not a top-level package: "
+        "install the project (pip install -e '.[test]') and import 'domainfm.data_loaders' instead."
+    )

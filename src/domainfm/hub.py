@@ -1,0 +1,567 @@
+"""Weights hub: resolve, download, verify (sha256), cache, convert and load.
+
+``create_model(name, pretrained=...)`` accepts
+
+* ``True``: the first weight source of the variant's model card;
+* ``"hf://org/repo/path/to/file"`` or ``"https://..."`` / ``"file://..."``: a URL. When the
+  URL is one of the card's sources its recorded sha256 is verified; any other URL needs
+  ``sha256=`` or is loaded with a warning that prints the digest it had;
+* a local file (``.safetensors`` or a torch checkpoint, read with ``weights_only=True``);
+* a directory written by :func:`save_pretrained`, or one laid out as an upstream repo
+  (``model.safetensors`` / ``pytorch_model.bin`` beside a ``config.json``).
+
+Downloads go to a temporary file beside the destination, are hashed while streaming, and are
+renamed into the cache (``$DOMAINFM_HOME/weights``, default ``~/.cache/domainfm/weights``) only
+when the full sha256 matches, so the cache never holds a partial or unverified file. With
+``DOMAINFM_OFFLINE=1`` nothing is downloaded; a missing file is an error that names where to
+put it. Nothing is ever unpickled with arbitrary code.
+"""
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import pickle
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from domainfm import zoo
+
+__all__ = [
+    "HubError",
+    "ChecksumError",
+    "OfflineError",
+    "UnsafeCheckpointError",
+    "LoadReport",
+    "home",
+    "weights_dir",
+    "is_offline",
+    "cache_path_for",
+    "fetch",
+    "sha256_file",
+    "load_checkpoint",
+    "load_state_dict_into",
+    "load_pretrained",
+    "create_model",
+    "save_pretrained",
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_CHUNK = 1 << 20
+
+
+class HubError(RuntimeError):
+    """Base class of every weights-hub error."""
+
+
+class ChecksumError(HubError):
+    pass
+
+
+class OfflineError(HubError):
+    pass
+
+
+class UnsafeCheckpointError(HubError):
+    pass
+
+
+# --------------------------------------------------------------------------- locations
+
+
+def home() -> Path:
+    """``$DOMAINFM_HOME`` or ``~/.cache/domainfm``."""
+    return Path(os.environ.get("DOMAINFM_HOME") or Path.home() / ".cache" / "domainfm").expanduser()
+
+
+def weights_dir() -> Path:
+    return home() / "weights"
+
+
+def is_offline() -> bool:
+    return os.environ.get("DOMAINFM_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _split_hf(url: str) -> tuple[str, str]:
+    """``hf://org/repo/a/b.pth`` -> (``org/repo``, ``a/b.pth``)."""
+    parts = url[len("hf://") :].strip("/").split("/")
+    if len(parts) < 3:
+        raise ValueError(f"{url!r}: an hf:// source must name a file, as hf://org/repo/path/to/file")
+    if any(p in {"", ".", ".."} for p in parts):
+        # the path becomes the cache path: an empty, '.' or '..' segment could leave the cache
+        raise ValueError(f"{url!r}: an hf:// path may not contain empty, '.' or '..' segments")
+    return "/".join(parts[:2]), "/".join(parts[2:])
+
+
+def cache_path_for(url: str) -> Path:
+    """Where the cache keeps the file behind ``url`` (hf://org/repo/f -> weights/hf/org/repo/f)."""
+    if url.startswith("hf://"):
+        repo, path = _split_hf(url)
+        return weights_dir() / "hf" / repo / path
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in {"http", "https"}:
+        raise ValueError(f"{url!r}: not a downloadable URL (expected hf://, https:// or http://)")
+    safe = [p for p in parsed.path.split("/") if p not in {"", ".", ".."}]
+    host = parsed.netloc.replace(":", "_")
+    return weights_dir() / "url" / host / Path(*safe) if safe else weights_dir() / "url" / host / "index"
+
+
+def _download_url_for(url: str) -> str:
+    if url.startswith("hf://"):
+        repo, path = _split_hf(url)
+        revision = "main"
+        if "@" in repo:
+            repo, revision = repo.split("@", 1)
+        from huggingface_hub import hf_hub_url
+
+        return hf_hub_url(repo_id=repo, filename=path, revision=revision)
+    return url
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- download
+
+
+def _stream_to(url: str, tmp_path: Path, progress: bool) -> str:
+    headers = {"User-Agent": "domainfm"}
+    # The token goes only to the Hub's own origin: a prefix test would also match
+    # https://huggingface.co.example.net (or port 80 of an endpoint on port 8080).
+    origin = urllib.parse.urlsplit(url)[:2]
+    hub_origins = {urllib.parse.urlsplit(e)[:2] for e in ("https://huggingface.co", os.environ.get("HF_ENDPOINT", "")) if e}
+    if origin in hub_origins:
+        try:
+            from huggingface_hub import get_token
+
+            token = get_token()
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
+        except Exception:  # pragma: no cover - token lookup is best effort
+            pass
+    request = urllib.request.Request(url, headers=headers)
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(request, timeout=60) as response:
+        total = response.headers.get("Content-Length")
+        total = int(total) if total and total.isdigit() else None
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=tmp_path.name.split(".part")[0], leave=False)
+        received = 0
+        try:
+            with open(tmp_path, "wb") as out:
+                while True:
+                    chunk = response.read(_CHUNK)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                    digest.update(chunk)
+                    received += len(chunk)
+                    if bar is not None:
+                        bar.update(len(chunk))
+        finally:
+            if bar is not None:
+                bar.close()
+        if total is not None and received != total:
+            raise HubError(f"download of {url} was cut short: {received} of {total} bytes")
+    return digest.hexdigest()
+
+
+def fetch(url: str, sha256: str | None = None, *, progress: bool = True) -> Path:
+    """Return the local path of ``url``, downloading and verifying it if it is not cached.
+
+    ``file://`` URLs and plain paths are verified in place (not copied). A cached file is trusted
+    only when its sha256 matches (when one is given); a mismatching cached file is an error.
+    """
+    if url.startswith("file://") or "://" not in url:
+        path = Path(urllib.parse.urlparse(url).path if url.startswith("file://") else url)
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint file not found: {path}")
+        if sha256 is not None:
+            actual = sha256_file(path)
+            if actual != sha256.lower():
+                raise ChecksumError(f"{path}: sha256 {actual} does not match the expected {sha256.lower()}")
+        return path
+
+    dest = cache_path_for(url)
+    if dest.is_file():
+        if sha256 is not None:
+            actual = sha256_file(dest)
+            if actual != sha256.lower():
+                raise ChecksumError(
+                    f"cached file {dest} has sha256 {actual}, expected {sha256.lower()}: delete it to download again"
+                )
+        return dest
+    if is_offline():
+        raise OfflineError(
+            f"DOMAINFM_OFFLINE is set and {url} is not in the cache. Download it elsewhere and place the "
+            f"file at {dest}" + (f" (sha256 {sha256.lower()})" if sha256 else "") + ", or unset DOMAINFM_OFFLINE."
+        )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".part-", dir=dest.parent)
+    os.close(fd)
+    tmp_path = Path(tmp_name)
+    try:
+        try:
+            actual = _stream_to(_download_url_for(url), tmp_path, progress)
+        except (urllib.error.URLError, http.client.HTTPException, OSError, TimeoutError) as exc:
+            raise HubError(
+                f"could not download {url} ({exc}). If this machine is offline, download it elsewhere and place "
+                f"it at {dest}" + (f" (sha256 {sha256.lower()})" if sha256 else "") + "."
+            ) from exc
+        if sha256 is not None and actual != sha256.lower():
+            raise ChecksumError(f"{url}: downloaded file has sha256 {actual}, expected {sha256.lower()}; not cached")
+        if sha256 is None:
+            warnings.warn(f"{url} has no recorded sha256; the downloaded file's sha256 is {actual}", stacklevel=2)
+        os.replace(tmp_path, dest)
+    finally:
+        # Whatever happened (error, Ctrl-C), no partial file stays behind.
+        if tmp_path.exists():
+            tmp_path.unlink()
+    return dest
+
+
+# --------------------------------------------------------------------------- reading checkpoints
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint without executing code: safetensors, or ``torch.load(weights_only=True)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file not found: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path), device="cpu")
+        except Exception as exc:
+            raise HubError(f"{path}: not a readable safetensors file ({exc})") from exc
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load. The file contains Python objects that are not plain tensors/containers "
+            f"and loading it would execute code ({str(exc).splitlines()[0]}). Convert it to safetensors "
+            "in a trusted environment."
+        ) from exc
+    except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:
+        raise HubError(f"{path}: corrupt or truncated checkpoint ({exc})") from exc
+
+
+def _unwrap_state_dict(obj: Any, key: str | None) -> dict[str, torch.Tensor]:
+    if key is not None:
+        if not isinstance(obj, Mapping) or key not in obj:
+            raise HubError(f"checkpoint has no entry {key!r} (top-level keys: {list(obj)[:10] if isinstance(obj, Mapping) else type(obj).__name__})")
+        obj = obj[key]
+    if not isinstance(obj, Mapping):
+        raise HubError(f"checkpoint is a {type(obj).__name__}, not a state_dict")
+    if all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return dict(obj)
+    for candidate in ("state_dict", "model", "model_state_dict", "module"):
+        if candidate in obj and isinstance(obj[candidate], Mapping):
+            return _unwrap_state_dict(obj[candidate], None)
+    non_tensor = [k for k, v in obj.items() if not isinstance(v, torch.Tensor)][:5]
+    raise HubError(f"checkpoint is not a flat state_dict (non-tensor entries: {non_tensor})")
+
+
+# --------------------------------------------------------------------------- loading into a model
+
+
+@dataclass
+class LoadReport:
+    """What happened when a checkpoint was loaded into a model."""
+
+    source: str
+    sha256: str | None = None
+    converter: str | None = None
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    dropped_head: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"loaded {self.source}" + (f" (sha256 {self.sha256[:12]}…)" if self.sha256 else "")]
+        if self.converter:
+            lines.append(f"  converted with: {self.converter}")
+        for label, keys in (("missing", self.missing), ("unexpected", self.unexpected), ("dropped head (shape changed)", self.dropped_head)):
+            if keys:
+                lines.append(f"  {label}: {', '.join(keys)}")
+        return "\n".join(lines)
+
+
+def _is_head_key(key: str, heads: tuple[str, ...]) -> bool:
+    return any(key == h or key.startswith(h + ".") for h in heads)
+
+
+def load_state_dict_into(
+    model: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    heads: tuple[str, ...] = (),
+    strict: bool = True,
+    source: str = "<state_dict>",
+) -> LoadReport:
+    """Load ``state_dict`` into ``model``, naming every missing/unexpected key.
+
+    Head keys (prefixes in ``heads``) whose shape changed are dropped and the head keeps its fresh
+    initialisation; any other shape mismatch is an error. With ``strict`` any missing key outside
+    the head or any unexpected key raises :class:`HubError`; otherwise they are warned about.
+    """
+    own = model.state_dict()
+    report = LoadReport(source=source)
+    filtered: dict[str, torch.Tensor] = {}
+    mismatched = []
+    for key, value in state_dict.items():
+        if key not in own:
+            report.unexpected.append(key)
+            continue
+        if own[key].shape != value.shape:
+            if _is_head_key(key, heads):
+                report.dropped_head.append(key)
+                continue
+            mismatched.append(f"{key}: checkpoint {tuple(value.shape)} vs model {tuple(own[key].shape)}")
+            continue
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise HubError(f"{source}: tensor {key!r} contains NaN or inf")
+        filtered[key] = value
+    report.missing = [k for k in own if k not in filtered and k not in report.dropped_head]
+    if mismatched:
+        raise HubError(f"{source}: shape mismatch for {len(mismatched)} key(s): " + "; ".join(mismatched))
+    missing_body = [k for k in report.missing if not _is_head_key(k, heads)]
+    problems = []
+    if missing_body:
+        problems.append(f"missing keys: {', '.join(missing_body)}")
+    if report.unexpected:
+        problems.append(f"unexpected keys: {', '.join(report.unexpected)}")
+    if problems and strict:
+        raise HubError(f"{source} does not match {type(model).__name__}: " + "; ".join(problems))
+    if problems:
+        warnings.warn(f"{source}: " + "; ".join(problems), stacklevel=2)
+    model.load_state_dict(filtered, strict=False)
+    return report
+
+
+def _keys_match(state_dict: Mapping[str, Any], model: nn.Module) -> bool:
+    own = set(model.state_dict())
+    return len(own) > 0 and len(own & set(state_dict)) >= 0.9 * len(own)
+
+
+def _read_dir(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    config = {}
+    if (directory / CONFIG_NAME).is_file():
+        config = json.loads((directory / CONFIG_NAME).read_text())
+    for name in (WEIGHTS_NAME, "pytorch_model.bin", "model.pt", "model.pth"):
+        if (directory / name).is_file():
+            return _unwrap_state_dict(load_checkpoint(directory / name), None), config
+    raise FileNotFoundError(f"{directory}: no {WEIGHTS_NAME} (or pytorch_model.bin) in this directory")
+
+
+def load_pretrained(
+    model: nn.Module,
+    pretrained: bool | str | os.PathLike = True,
+    *,
+    card: zoo.ModelCard | str | None = None,
+    converter: str | Callable | None = None,
+    sha256: str | None = None,
+    strict: bool = True,
+    progress: bool = True,
+) -> LoadReport:
+    """Load weights into ``model`` from a card's source, a URL, a file or a directory.
+
+    The converter turning upstream keys into ours is chosen as: the ``converter`` argument (a
+    name in the card's converters, or a callable ``fn(state_dict, model) -> state_dict``); else
+    the weight source's recorded converter; else none when the keys already match the model;
+    else the card's only converter. Head weights whose shape changed are dropped.
+    """
+    if card is None:
+        card = getattr(model, "domainfm_name", None)
+    if isinstance(card, str):
+        card = zoo.get_card(card)
+    heads = card.head if card is not None else ()
+    source_obj: zoo.WeightSource | None = None
+    upstream_config: dict[str, Any] = {}
+
+    if pretrained is True:
+        if card is None or not card.weights:
+            name = card.name if card is not None else type(model).__name__
+            raise HubError(f"{name} has no pretrained weights registered; pass a path or URL as pretrained=")
+        source_obj = card.weights[0]
+    elif isinstance(pretrained, str) and "://" in pretrained and card is not None:
+        source_obj = next((w for w in card.weights if w.url == pretrained), None)
+
+    if source_obj is not None:
+        location = source_obj.url
+        path = fetch(source_obj.url, source_obj.sha256, progress=progress)
+        digest = source_obj.sha256
+        raw = _unwrap_state_dict(load_checkpoint(path), source_obj.state_dict_key)
+        if converter is None:
+            converter = source_obj.converter
+    else:
+        location = str(pretrained)
+        local = Path(pretrained) if "://" not in location else None
+        if local is not None and local.is_dir():
+            raw, upstream_config = _read_dir(local)
+            digest = None
+        else:
+            path = fetch(location, sha256, progress=progress)
+            digest = sha256 or sha256_file(path)
+            raw = _unwrap_state_dict(load_checkpoint(path), None)
+
+    converter_name = None
+    if callable(converter):
+        converter_name = getattr(converter, "__name__", "callable")
+        state_dict = converter(raw, model)
+    elif converter is not None:
+        if card is None or converter not in card.converters:
+            available = sorted(card.converters) if card is not None else []
+            raise HubError(f"unknown converter {converter!r}; this model has {available}")
+        converter_name = converter
+        state_dict = card.converters[converter](raw, model)
+    elif _keys_match(raw, model) or card is None or not card.converters:
+        state_dict = raw
+    elif len(card.converters) == 1:
+        converter_name, fn = next(iter(card.converters.items()))
+        state_dict = fn(raw, model)
+    else:
+        raise HubError(
+            f"{location}: keys do not match {card.name} and the card has several converters "
+            f"({sorted(card.converters)}); pass converter=NAME"
+        )
+    if upstream_config:
+        model.domainfm_upstream_config = upstream_config
+    report = load_state_dict_into(model, state_dict, heads=heads, strict=strict, source=location)
+    report.sha256 = digest
+    report.converter = converter_name
+    model.domainfm_load_report = report
+    return report
+
+
+# --------------------------------------------------------------------------- own format
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    raise TypeError(f"model keyword value {value!r} ({type(value).__name__}) cannot be written to JSON")
+
+
+def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
+    """Write ``model.safetensors`` + ``config.json`` so that ``create_model(directory)`` rebuilds it.
+
+    The model must come from :func:`create_model` (it remembers its variant and keywords). Both
+    files are written to temporary names and renamed, so a crash leaves no half-written file.
+    """
+    from safetensors.torch import save_model
+
+    name = getattr(model, "domainfm_name", None)
+    if name is None:
+        raise ValueError("save_pretrained needs a model made by domainfm.create_model (it records the variant name)")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "domainfm": {
+            "model_name": name,
+            "model_kwargs": _jsonable(getattr(model, "domainfm_kwargs", {})),
+            "format_version": 1,
+        }
+    }
+    tmp_weights = directory / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
+    tmp_config = directory / f".{CONFIG_NAME}.tmp-{os.getpid()}"
+    try:
+        save_model(model, str(tmp_weights), metadata={"format": "pt", "domainfm_model": name})
+        config["domainfm"]["sha256"] = sha256_file(tmp_weights)
+        tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp_weights, directory / WEIGHTS_NAME)
+        os.replace(tmp_config, directory / CONFIG_NAME)
+    finally:
+        for tmp in (tmp_weights, tmp_config):
+            if tmp.exists():
+                tmp.unlink()
+    return directory
+
+
+def _create_from_saved(directory: Path, config: dict[str, Any], pretrained: Any, kwargs: dict[str, Any]) -> nn.Module:
+    from safetensors.torch import load_model
+
+    meta = config["domainfm"]
+    model_kwargs = {**meta.get("model_kwargs", {}), **kwargs}
+    model = zoo.build_model(meta["model_name"], **model_kwargs)
+    weights = directory / WEIGHTS_NAME
+    recorded = meta.get("sha256")
+    if recorded is not None and sha256_file(weights) != recorded:
+        raise ChecksumError(f"{weights}: sha256 does not match the one recorded in {directory / CONFIG_NAME}")
+    changed_head = any(k in kwargs for k in ("n_outputs", "num_classes"))
+    if changed_head:
+        card = zoo.get_card(meta["model_name"])
+        report = load_state_dict_into(model, load_checkpoint(weights), heads=card.head, strict=True, source=str(directory))
+    else:
+        try:
+            missing, unexpected = load_model(model, str(weights), strict=False)
+        except Exception as exc:
+            raise HubError(f"{weights}: could not be loaded ({exc})") from exc
+        if missing or unexpected:
+            raise HubError(f"{directory}: missing keys {sorted(missing)}; unexpected keys {sorted(unexpected)}")
+        report = LoadReport(source=str(directory))
+    report.sha256 = recorded
+    model.domainfm_load_report = report
+    return model
+
+
+def create_model(
+    name: str | os.PathLike,
+    pretrained: bool | str | os.PathLike = False,
+    *,
+    converter: str | Callable | None = None,
+    sha256: str | None = None,
+    strict: bool = True,
+    progress: bool = True,
+    **kwargs: Any,
+) -> nn.Module:
+    """Build a registered model (or one saved with :func:`save_pretrained`) and load weights.
+
+    Args:
+        name: a registered variant (``domainfm.list_models()``) or a directory written by
+            :func:`save_pretrained`.
+        pretrained: ``False`` (random init), ``True`` (the card's first weight source), a URL
+            (``hf://org/repo/file``, ``https://…``, ``file://…``), a checkpoint file or directory.
+        converter: name of one of the card's converters (or a callable) for upstream files.
+        sha256: expected digest of a URL/file that is not one of the card's sources.
+        strict: raise on any missing/unexpected key (the head excepted when its shape changed).
+        **kwargs: override the variant's defaults (e.g. ``n_outputs=4, n_chans=22``).
+    """
+    path = Path(name)
+    if path.is_dir():
+        config_file = path / CONFIG_NAME
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        if "domainfm" not in config:
+            raise HubError(f"{path}: not a domainfm model directory (no 'domainfm' block in {config_file})")
+        return _create_from_saved(path, config, pretrained, kwargs)
+    name = str(name)
+    model = zoo.build_model(name, **kwargs)
+    if pretrained is not False and pretrained is not None:
+        load_pretrained(model, pretrained, card=name, converter=converter, sha256=sha256, strict=strict, progress=progress)
+    return model

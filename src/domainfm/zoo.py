@@ -1,0 +1,247 @@
+"""The model registry: one list of every model variant, with its model card.
+
+A family registers a small builder per variant::
+
+    @register_model(
+        "cbramod-base", family="cbramod", paper="...", license="MIT",
+        input_spec={"n_chans": 19, "sfreq": 200.0, "patch_size": 200},
+        weights=[WeightSource("hf://weighting666/CBraMod/pretrained_weights.pth", sha256="...",
+                              converter="official")],
+        converters={"official": convert_official_state_dict},
+        head="head",
+    )
+    def cbramod_base(**kwargs):
+        return CBraMod(**kwargs)
+
+``create_model(name, pretrained=..., **kwargs)`` calls the builder with the card's ``defaults``
+updated by the caller's keywords, then hands the model to :mod:`domainfm.hub` for weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "WeightSource",
+    "ModelCard",
+    "register_model",
+    "unregister_model",
+    "list_models",
+    "list_families",
+    "get_card",
+    "model_info",
+    "build_model",
+]
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where one set of weights for a variant lives.
+
+    Args:
+        url: ``"hf://org/repo/path/in/repo"``, ``"https://..."`` or ``"file://..."``.
+        sha256: full hex sha256 of the file; always verified after download.
+        converter: key of the card's ``converters`` that turns this file's state_dict into our
+            keys (``None``: the file already holds our keys).
+        license: licence of the weights (may differ from the code's).
+        description: what was trained on what.
+        state_dict_key: key under which a checkpoint dict nests its state_dict (e.g. ``"model"``);
+            ``None`` means the file is the state_dict itself (the converter may still unwrap).
+    """
+
+    url: str
+    sha256: str
+    converter: str | None = None
+    license: str = "unknown"
+    description: str = ""
+    state_dict_key: str | None = None
+
+    def __post_init__(self):
+        digest = self.sha256.lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"WeightSource({self.url!r}): sha256 must be 64 hex digits, got {self.sha256!r}")
+        object.__setattr__(self, "sha256", digest)
+
+    @property
+    def filename(self) -> str:
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+@dataclass
+class ModelCard:
+    """Everything the zoo knows about one variant, independent of any instance."""
+
+    name: str
+    family: str
+    builder: Callable[..., nn.Module]
+    paper: str = ""
+    license: str = "Apache-2.0"
+    description: str = ""
+    input_spec: dict[str, Any] = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)
+    weights: tuple[WeightSource, ...] = ()
+    converters: dict[str, Callable[[dict[str, torch.Tensor], nn.Module], dict[str, torch.Tensor]]] = field(
+        default_factory=dict
+    )
+    head: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+
+    @property
+    def has_pretrained(self) -> bool:
+        return bool(self.weights)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able view of the card (what ``domainfm info`` prints)."""
+        return {
+            "name": self.name,
+            "family": self.family,
+            "paper": self.paper,
+            "license": self.license,
+            "description": self.description,
+            "input_spec": dict(self.input_spec),
+            "defaults": dict(self.defaults),
+            "head": list(self.head),
+            "tags": list(self.tags),
+            "weights": [dataclasses.asdict(w) for w in self.weights],
+        }
+
+
+_REGISTRY: dict[str, ModelCard] = {}
+
+
+def _ensure_families_imported() -> None:
+    # Imported lazily: the families import this module to register themselves.
+    from domainfm.models import import_families
+
+    import_families()
+
+
+def register_model(
+    name: str,
+    *,
+    family: str,
+    paper: str = "",
+    license: str = "Apache-2.0",
+    description: str = "",
+    input_spec: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    weights: Sequence[WeightSource] = (),
+    converters: Mapping[str, Callable] | None = None,
+    head: str | Sequence[str] = (),
+    tags: Sequence[str] = (),
+    overwrite: bool = False,
+) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
+    """Decorator registering a builder ``fn(**kwargs) -> nn.Module`` as variant ``name``.
+
+    ``defaults`` are the variant's keyword arguments; the caller's keywords override them.
+    ``head`` names the classifier module(s): their weights are dropped from a pretrained
+    checkpoint when their shape no longer fits (e.g. another ``n_outputs``).
+    """
+    if not name or name != name.strip() or "/" in name:
+        raise ValueError(f"register_model: invalid model name {name!r}")
+    converters = dict(converters or {})
+    for w in weights:
+        if w.converter is not None and w.converter not in converters:
+            raise ValueError(
+                f"register_model({name!r}): weight source {w.url!r} names converter {w.converter!r}, "
+                f"but the card's converters are {sorted(converters)}"
+            )
+
+    def decorator(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if name in _REGISTRY and not overwrite:
+            raise ValueError(f"register_model: a model named {name!r} is already registered")
+        _REGISTRY[name] = ModelCard(
+            name=name,
+            family=family,
+            builder=builder,
+            paper=paper,
+            license=license,
+            description=description or (builder.__doc__ or "").strip().split("\n")[0],
+            input_spec=dict(input_spec or {}),
+            defaults=dict(defaults or {}),
+            weights=tuple(weights),
+            converters=converters,
+            head=(head,) if isinstance(head, str) else tuple(head),
+            tags=tuple(tags),
+        )
+        return builder
+
+    return decorator
+
+
+def unregister_model(name: str) -> None:
+    """Remove a variant (for tests and plugins that register temporary models)."""
+    _REGISTRY.pop(name, None)
+
+
+def get_card(name: str) -> ModelCard:
+    _ensure_families_imported()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        close = [n for n in _REGISTRY if name.split("-")[0] in n][:8]
+        hint = f" Similar names: {', '.join(close)}." if close else ""
+        raise KeyError(
+            f"Unknown model {name!r}. `domainfm.list_models()` lists the {len(_REGISTRY)} registered models.{hint}"
+        ) from None
+
+
+def list_models(pattern: str | Sequence[str] = "*", pretrained: bool = False, family: str | None = None) -> list[str]:
+    """Registered model names matching ``pattern`` (fnmatch, or a list of patterns), sorted.
+
+    ``pretrained=True`` keeps only variants with at least one weight source.
+    """
+    _ensure_families_imported()
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    names = []
+    for name, card in _REGISTRY.items():
+        if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            continue
+        if pretrained and not card.has_pretrained:
+            continue
+        if family is not None and card.family != family:
+            continue
+        names.append(name)
+    return sorted(names)
+
+
+def list_families() -> list[str]:
+    _ensure_families_imported()
+    return sorted({card.family for card in _REGISTRY.values()})
+
+
+def build_model(name: str, **kwargs) -> nn.Module:
+    """Instantiate variant ``name`` with random weights: card defaults updated by ``kwargs``.
+
+    The returned model remembers how it was made (``model.domainfm_name`` and
+    ``model.domainfm_kwargs``) so that :func:`domainfm.save_pretrained` can write a config that
+    rebuilds it.
+    """
+    card = get_card(name)
+    merged = {**card.defaults, **kwargs}
+    model = card.builder(**merged)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"builder of {name!r} returned {type(model).__name__}, not an nn.Module")
+    model.domainfm_name = name
+    model.domainfm_kwargs = merged
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_info(name: str, count_params: bool = True) -> dict[str, Any]:
+    """The model card of ``name`` as a dict; ``num_params`` counted on the meta device (no memory)."""
+    card = get_card(name)
+    info = card.to_dict()
+    if count_params:
+        with torch.device("meta"):
+            model = build_model(name)
+        info["num_params"] = count_parameters(model)
+    return info

@@ -1,0 +1,191 @@
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_toys import ClassifyRecipe, TinyNet, make_dataset  # noqa: E402
+
+from domainfm.engine import (  # noqa: E402
+    ResumableSampler,
+    TrainConfig,
+    Trainer,
+    build_param_groups,
+    warmup_cosine,
+)
+
+
+def _cfg(**kw):
+    base = dict(max_epochs=3, batch_size=16, lr=1e-2, progress=False, accelerator="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_tiny_model_learns_and_writes_run_files(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    trainer = Trainer(_cfg(max_epochs=5, monitor="val/accuracy", monitor_mode="max"), run_dir=tmp_path)
+    result = trainer.fit(ClassifyRecipe(model, make_dataset(), make_dataset(seed=1)))
+    train_losses = [r["loss"] for r in result.history if r.get("split") == "train"]
+    assert train_losses[-1] < 0.45 < train_losses[0]
+    assert result.best_metric > 0.85
+    assert result.global_step == 5 * (256 // 16)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("split") == "val" for r in records) == 5
+    best = load_file(str(tmp_path / "checkpoints" / "best.safetensors"))
+    assert set(best) == set(model.state_dict())
+    assert not list((tmp_path / "checkpoints").glob(".*tmp*"))  # atomic writes leave no temp files
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+class _CrashingRecipe(ClassifyRecipe):
+    def __init__(self, *a, crash_at, **kw):
+        super().__init__(*a, **kw)
+        self.crash_at, self.calls = crash_at, 0
+
+    def step(self, model, batch):
+        self.calls += 1
+        if self.calls == self.crash_at:
+            raise _Crash("simulated interruption")
+        return super().step(model, batch)
+
+
+def test_interrupted_run_resumes_to_identical_weights(tmp_path):
+    # dropout on, so the RNG state must be restored too; 16 micro-batches per epoch
+    cfg = dict(max_epochs=3, batch_size=16, checkpoint_every_steps=5, log_every_steps=1)
+    torch.manual_seed(0)
+    reference = TinyNet(dropout=0.3)
+    init = {k: v.clone() for k, v in reference.state_dict().items()}
+    Trainer(_cfg(**cfg), run_dir=tmp_path / "a").fit(ClassifyRecipe(reference, make_dataset(), make_dataset(seed=1)))
+
+    interrupted = TinyNet(dropout=0.3)
+    interrupted.load_state_dict(init)
+    with pytest.raises(_Crash):
+        Trainer(_cfg(**cfg), run_dir=tmp_path / "b").fit(
+            _CrashingRecipe(interrupted, make_dataset(), make_dataset(seed=1), crash_at=23)
+        )
+    resumed = TinyNet(dropout=0.3)  # a fresh process would start from scratch
+    trainer = Trainer(_cfg(resume=True, **cfg), run_dir=tmp_path / "b")
+    result = trainer.fit(ClassifyRecipe(resumed, make_dataset(), make_dataset(seed=1)))
+    assert result.global_step == 48
+    assert any(r.get("event") == "resumed" and r["step"] == 20 for r in result.history)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+
+
+def test_gradient_accumulation_matches_large_batch_fp64():
+    data = make_dataset(n=128, dtype=torch.float64)
+    states = []
+    for batch_size, accum in ((16, 1), (8, 2)):
+        torch.manual_seed(0)
+        model = TinyNet(dropout=0.0).double()
+        trainer = Trainer(_cfg(max_epochs=2, batch_size=batch_size, grad_accum=accum, precision="64-true", clip_grad_norm=1.0))
+        result = trainer.fit(ClassifyRecipe(model, data))
+        assert result.global_step == 16
+        states.append(model.state_dict())
+    for key in states[0]:
+        torch.testing.assert_close(states[0][key], states[1][key], rtol=0, atol=1e-6)
+
+
+def test_bf16_autocast_path_trains():
+    torch.manual_seed(0)
+    model = TinyNet()
+    seen = []
+    model.head.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    result = Trainer(_cfg(max_epochs=3, precision="bf16-mixed")).fit(ClassifyRecipe(model, make_dataset()))
+    assert seen[0] == torch.bfloat16  # linear layers ran under autocast
+    assert model.head.weight.dtype == torch.float32  # master weights stay fp32
+    losses = [r["loss"] for r in result.history if r.get("split") == "train"]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def test_early_stopping_stops_after_patience(tmp_path):
+    torch.manual_seed(0)
+    cfg = _cfg(max_epochs=20, lr=0.0, monitor="val/accuracy", monitor_mode="max", early_stopping_patience=2)
+    result = Trainer(cfg, run_dir=tmp_path).fit(ClassifyRecipe(TinyNet(), make_dataset(n=64), make_dataset(n=32, seed=1)))
+    # lr 0: the metric never improves after epoch 1, so training stops after epoch 3
+    assert result.stopped_early and result.epochs_completed == 3
+    assert result.best_step == 4
+
+
+def test_param_groups_head_lr_layer_decay_and_no_decay():
+    model = TinyNet()
+    cfg = _cfg(lr=1.0, head_lr=5.0, layer_decay=0.5, weight_decay=0.1)
+    lrs = {}
+    for group in build_param_groups(model, cfg):
+        for name in group["names"]:
+            lrs[name] = (group["lr"], group["weight_decay"])
+    # one block: blocks.0 is layer 1 of L=1 -> scale 0.5**(2-1); norm (layer 0) -> 0.5**2; head -> head_lr
+    assert lrs["blocks.0.0.weight"] == (0.5, 0.1)
+    assert lrs["blocks.0.0.bias"] == (0.5, 0.0)
+    assert lrs["norm.weight"] == (0.25, 0.0)
+    assert lrs["head.weight"] == (5.0, 0.1)
+
+
+def test_warmup_cosine_schedule_values():
+    assert warmup_cosine(0, 100, 10, 0.0) == pytest.approx(0.1)
+    assert warmup_cosine(9, 100, 10, 0.0) == pytest.approx(1.0)
+    assert warmup_cosine(10, 100, 10, 0.0) == pytest.approx(1.0)
+    assert warmup_cosine(55, 100, 10, 0.0) == pytest.approx(0.5)
+    assert warmup_cosine(100, 100, 10, 0.02) == pytest.approx(0.02)
+    assert warmup_cosine(55, 100, 10, 0.0, "linear") == pytest.approx(0.5)
+    assert warmup_cosine(70, 100, 0, 0.0, "constant") == 1.0
+
+
+def test_resumable_sampler_shards_and_skips():
+    shards = []
+    for rank in range(3):
+        s = ResumableSampler(10, num_replicas=3, rank=rank, seed=4)
+        s.set_epoch(2)
+        shards.append(list(s))
+    assert all(len(x) == 4 for x in shards)
+    assert set().union(*map(set, shards)) == set(range(10))
+    s = ResumableSampler(10, num_replicas=3, rank=1, seed=4)
+    s.set_epoch(2, start=3)
+    assert list(s) == shards[1][3:] and len(s) == 1
+    other = ResumableSampler(10, seed=4)
+    other.set_epoch(3)
+    first = ResumableSampler(10, seed=4)
+    first.set_epoch(2)
+    assert list(other) != list(first)  # a new permutation each epoch
+
+
+def test_config_rejects_unknown_and_bad_values():
+    with pytest.raises(ValueError, match="unknown train setting"):
+        TrainConfig.from_dict({"learning_rate": 1e-3})
+    with pytest.raises(ValueError, match="schedule"):
+        TrainConfig(schedule="step")
+    with pytest.raises(ValueError, match="monitor"):
+        TrainConfig(early_stopping_patience=3)
+
+
+@pytest.mark.distributed
+def test_torchrun_two_processes_ddp_gloo(tmp_path):
+    script = Path(__file__).parent / "_ddp_script.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+         str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w0 = load_file(str(tmp_path / "rank0.safetensors"))
+    w1 = load_file(str(tmp_path / "rank1.safetensors"))
+    for key in w0:
+        assert torch.equal(w0[key], w1[key]), key
+    world, steps, acc = (tmp_path / "rank0.txt").read_text().split()
+    assert world == "2"
+    assert int(steps) == 2 * (128 // 2 // 16)  # each rank sees half the data per epoch
+    assert float(acc) > 0.5
+    assert (tmp_path / "rank1.txt").read_text() == (tmp_path / "rank0.txt").read_text()
+    init = TinyNet(dropout=0.0)
+    assert not torch.equal(init.head.weight, w0["head.weight"])
