@@ -90,6 +90,7 @@ class ModelCard:
     )
     head: tuple[str, ...] = ()
     tags: tuple[str, ...] = ()
+    example_input: Callable[[], tuple] | None = None
 
     @property
     def has_pretrained(self) -> bool:
@@ -134,6 +135,7 @@ def register_model(
     converters: Mapping[str, Callable] | None = None,
     head: str | Sequence[str] = (),
     tags: Sequence[str] = (),
+    example_input: Callable[[], tuple] | None = None,
     overwrite: bool = False,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Decorator registering a builder ``fn(**kwargs) -> nn.Module`` as variant ``name``.
@@ -141,6 +143,9 @@ def register_model(
     ``defaults`` are the variant's keyword arguments; the caller's keywords override them.
     ``head`` names the classifier module(s): their weights are dropped from a pretrained
     checkpoint when their shape no longer fits (e.g. another ``n_outputs``).
+    ``example_input`` returns positional inputs for ``model.forward`` of the variant built with
+    its defaults; the test parametrized over every registered model runs it for the small
+    variants (tag ``"test"``).
     """
     if not name or name != name.strip() or "/" in name:
         raise ValueError(f"register_model: invalid model name {name!r}")
@@ -168,6 +173,7 @@ def register_model(
             converters=converters,
             head=(head,) if isinstance(head, str) else tuple(head),
             tags=tuple(tags),
+            example_input=example_input,
         )
         return builder
 
