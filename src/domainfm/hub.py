@@ -148,7 +148,8 @@ def _stream_to(url: str, tmp_path: Path, progress: bool) -> str:
     # The token goes only to the Hub's own origin: a prefix test would also match
     # https://huggingface.co.example.net (or port 80 of an endpoint on port 8080).
     origin = urllib.parse.urlsplit(url)[:2]
-    hub_origins = {urllib.parse.urlsplit(e)[:2] for e in ("https://huggingface.co", os.environ.get("HF_ENDPOINT", "")) if e}
+    endpoints = ("https://huggingface.co", os.environ.get("HF_ENDPOINT", ""))
+    hub_origins = {urllib.parse.urlsplit(e)[:2] for e in endpoints if e}
     if origin in hub_origins:
         try:
             from huggingface_hub import get_token
@@ -517,7 +518,9 @@ def _create_from_saved(directory: Path, config: dict[str, Any], pretrained: Any,
     changed_head = any(k in kwargs for k in ("n_outputs", "num_classes"))
     if changed_head:
         card = zoo.get_card(meta["model_name"])
-        report = load_state_dict_into(model, load_checkpoint(weights), heads=card.head, strict=True, source=str(directory))
+        report = load_state_dict_into(
+            model, load_checkpoint(weights), heads=card.head, strict=True, source=str(directory)
+        )
     else:
         try:
             missing, unexpected = load_model(model, str(weights), strict=False)

@@ -1,0 +1,437 @@
+"""Weights hub: download, verify, cache, offline mode, safe loading, load reports, own format."""
+from __future__ import annotations
+
+import builtins
+import hashlib
+import io
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+import domainfm
+from domainfm import hub
+from domainfm.hub import ChecksumError, HubError, OfflineError, UnsafeCheckpointError
+from domainfm.zoo import WeightSource
+
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _pth_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _files_under(path):
+    return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()) if path.exists() else []
+
+
+def _assert_state_equal(model, expected):
+    got = model.state_dict()
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+
+
+# --------------------------------------------------------------------------- download + cache
+
+
+@pytest.mark.parametrize("filename", ["tiny.safetensors", "tiny.pth"])
+def test_download_verify_cache_and_load(filename, http_server, tiny_zoo, domainfm_home):
+    expected = tiny_zoo.state_dict(seed=1)
+    body = safetensors_bytes(expected) if filename.endswith(".safetensors") else _pth_bytes(expected)
+    url = http_server.serve(f"/weights/{filename}", body)
+    tiny_zoo.register("dfmtest-served", weights=[WeightSource(url, sha256=_sha(body))])
+
+    model = domainfm.create_model("dfmtest-served", pretrained=True, progress=False)
+
+    dest = hub.cache_path_for(url)
+    assert dest.is_relative_to(domainfm_home / "weights")
+    assert dest.name == filename
+    assert dest.read_bytes() == body
+    assert _files_under(domainfm_home / "weights") == [dest.relative_to(domainfm_home / "weights").as_posix()]
+    _assert_state_equal(model, expected)
+    report = model.domainfm_load_report
+    assert report.sha256 == _sha(body)
+    assert report.missing == [] and report.unexpected == [] and report.dropped_head == []
+    assert http_server.hit_count(f"/weights/{filename}") == 1
+
+    again = domainfm.create_model("dfmtest-served", pretrained=True, progress=False)
+    assert http_server.hit_count(f"/weights/{filename}") == 1  # served from the cache
+    _assert_state_equal(again, expected)
+
+
+def test_fetch_returns_cache_path_and_rejects_corrupted_cache(http_server):
+    body = b"weights-bytes" * 100
+    url = http_server.serve("/a/b/file.bin", body)
+    path = hub.fetch(url, _sha(body), progress=False)
+    assert path == hub.cache_path_for(url)
+    assert hub.sha256_file(path) == _sha(body)
+
+    path.write_bytes(b"tampered")
+    with pytest.raises(ChecksumError, match="delete it"):
+        hub.fetch(url, _sha(body), progress=False)
+    assert http_server.hit_count("/a/b/file.bin") == 1
+
+
+def test_local_file_and_file_url_are_verified_in_place(tmp_path, tiny_zoo, domainfm_home):
+    expected = tiny_zoo.state_dict(seed=8)
+    path = tmp_path / "local.safetensors"
+    path.write_bytes(safetensors_bytes(expected))
+    digest = hub.sha256_file(path)
+    assert hub.fetch(path.as_uri(), digest) == path
+    model = domainfm.create_model("dfmtest-tiny", pretrained=path.as_uri(), sha256=digest)
+    _assert_state_equal(model, expected)
+    assert model.domainfm_load_report.sha256 == digest
+    with pytest.raises(ChecksumError, match=digest):
+        domainfm.create_model("dfmtest-tiny", pretrained=str(path), sha256="c" * 64)
+    with pytest.raises(FileNotFoundError, match="nothere.pth"):
+        domainfm.create_model("dfmtest-tiny", pretrained=str(tmp_path / "nothere.pth"))
+    assert _files_under(domainfm_home) == []  # nothing copied into the cache
+
+
+def test_url_without_sha_warns_with_digest(http_server, tiny_zoo):
+    expected = tiny_zoo.state_dict(seed=2)
+    body = safetensors_bytes(expected)
+    url = http_server.serve("/free/tiny.safetensors", body)
+    with pytest.warns(UserWarning, match=_sha(body)):
+        model = domainfm.create_model("dfmtest-tiny", pretrained=url, progress=False)
+    _assert_state_equal(model, expected)
+
+
+def test_url_with_wrong_sha_argument_raises(http_server, tiny_zoo, domainfm_home):
+    body = safetensors_bytes(tiny_zoo.state_dict())
+    url = http_server.serve("/free/tiny.safetensors", body)
+    with pytest.raises(ChecksumError):
+        domainfm.create_model("dfmtest-tiny", pretrained=url, sha256="0" * 64, progress=False)
+    assert _files_under(domainfm_home) == []
+
+
+def test_hf_url_resolves_through_endpoint(http_server, tiny_zoo, monkeypatch, domainfm_home):
+    # huggingface_hub reads HF_ENDPOINT once at import time into constants.ENDPOINT and
+    # HUGGINGFACE_CO_URL_TEMPLATE (what hf_hub_url formats); patch both.
+    from huggingface_hub import constants, hf_hub_url
+
+    monkeypatch.setattr(constants, "ENDPOINT", http_server.base)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", http_server.base + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    assert hf_hub_url("org/repo", "x.bin").startswith(http_server.base)
+
+    expected = tiny_zoo.state_dict(seed=3)
+    body = safetensors_bytes(expected)
+    http_server.serve("/org/repo/resolve/main/sub/tiny.safetensors", body)
+    http_server.serve("/org/repo/resolve/v1.0/tiny.safetensors", body)
+    source = "hf://org/repo/sub/tiny.safetensors"
+    tiny_zoo.register("dfmtest-hf", weights=[WeightSource(source, sha256=_sha(body))])
+
+    model = domainfm.create_model("dfmtest-hf", pretrained=True, progress=False)
+    _assert_state_equal(model, expected)
+    assert hub.cache_path_for(source) == domainfm_home / "weights" / "hf" / "org" / "repo" / "sub" / "tiny.safetensors"
+    assert hub.cache_path_for(source).read_bytes() == body
+    assert http_server.hit_count("/org/repo/resolve/main/sub/tiny.safetensors") == 1
+
+    pinned = hub.fetch("hf://org/repo@v1.0/tiny.safetensors", _sha(body), progress=False)
+    assert pinned.read_bytes() == body
+    assert http_server.hit_count("/org/repo/resolve/v1.0/tiny.safetensors") == 1
+
+
+def test_hub_token_is_sent_only_to_the_hub_origin(http_server, monkeypatch):
+    # A dummy token; HF_TOKEN wins over any token file, so no real credential is read.
+    monkeypatch.setenv("HF_TOKEN", "hf_dummy_for_tests")
+    body = b"data" * 10
+    url = http_server.serve("/f.bin", body)
+    # an "endpoint" that is a string prefix of the server's origin (port 4123 vs 41234)
+    monkeypatch.setenv("HF_ENDPOINT", http_server.base[:-1])
+    hub.fetch(url, _sha(body), progress=False)
+    assert http_server.authorization == [None]
+
+    hub.cache_path_for(url).unlink()
+    monkeypatch.setenv("HF_ENDPOINT", http_server.base)
+    hub.fetch(url, _sha(body), progress=False)
+    assert http_server.authorization == [None, "Bearer hf_dummy_for_tests"]
+
+
+def test_hf_url_must_name_a_file_inside_the_cache():
+    with pytest.raises(ValueError, match="must name a file"):
+        hub.cache_path_for("hf://org/repo")
+    with pytest.raises(ValueError):
+        hub.cache_path_for("hf://org/repo/../../../../outside.bin")
+    with pytest.raises(ValueError):
+        hub.cache_path_for("ftp://host/x.bin")
+    # http(s) paths are sanitised: they can never climb out of the cache
+    assert hub.cache_path_for("https://h.org/../../x.bin").is_relative_to(hub.weights_dir())
+
+
+# --------------------------------------------------------------------------- failures leave nothing
+
+
+def test_wrong_hash_raises_and_caches_nothing(http_server, tiny_zoo, domainfm_home):
+    body = safetensors_bytes(tiny_zoo.state_dict())
+    url = http_server.serve("/w/tiny.safetensors", body)
+    wrong = _sha(body + b"x")
+    tiny_zoo.register("dfmtest-badsha", weights=[WeightSource(url, sha256=wrong)])
+    with pytest.raises(ChecksumError) as info:
+        domainfm.create_model("dfmtest-badsha", pretrained=True, progress=False)
+    assert wrong in str(info.value) and _sha(body) in str(info.value)
+    assert _files_under(domainfm_home) == []  # neither the file nor a .part- temp
+    assert not hub.cache_path_for(url).exists()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("with_sha", [True, False], ids=["sha", "no-sha"])
+def test_interrupted_download_raises_and_leaves_no_partial_file(with_sha, chunked, http_server, domainfm_home):
+    body = bytes(range(256)) * 64
+    url = http_server.serve("/w/cut.bin", body, truncate=True, chunked=chunked)
+    with pytest.raises(HubError, match="cut short|could not download") as info:
+        hub.fetch(url, _sha(body) if with_sha else None, progress=False)
+    assert url in str(info.value)
+    assert http_server.hit_count("/w/cut.bin") == 1
+    assert _files_under(domainfm_home) == []
+
+
+def test_chunked_download_completes(http_server):
+    body = bytes(range(256)) * 64
+    url = http_server.serve("/w/chunked.bin", body, chunked=True)
+    assert hub.fetch(url, _sha(body), progress=False).read_bytes() == body
+
+
+def test_http_error_names_url_and_destination(http_server, domainfm_home):
+    url = http_server.base + "/missing/file.bin"
+    with pytest.raises(HubError) as info:
+        hub.fetch(url, "a" * 64, progress=False)
+    assert url in str(info.value) and str(hub.cache_path_for(url)) in str(info.value)
+    assert _files_under(domainfm_home) == []
+
+
+def test_offline_names_url_and_cache_path_then_uses_placed_file(http_server, tiny_zoo, monkeypatch, domainfm_home):
+    expected = tiny_zoo.state_dict(seed=4)
+    body = safetensors_bytes(expected)
+    url = http_server.serve("/off/tiny.safetensors", body)
+    tiny_zoo.register("dfmtest-offline", weights=[WeightSource(url, sha256=_sha(body))])
+    monkeypatch.setenv("DOMAINFM_OFFLINE", "1")
+
+    dest = hub.cache_path_for(url)
+    with pytest.raises(OfflineError) as info:
+        domainfm.create_model("dfmtest-offline", pretrained=True, progress=False)
+    message = str(info.value)
+    assert url in message and str(dest) in message and _sha(body) in message
+    assert http_server.total_hits() == 0
+
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(body)
+    model = domainfm.create_model("dfmtest-offline", pretrained=True, progress=False)
+    _assert_state_equal(model, expected)
+    assert http_server.total_hits() == 0
+
+
+# --------------------------------------------------------------------------- no code execution
+
+
+class _Payload:
+    """Unpickling this runs ``exec``, which writes a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (builtins.exec, (f"open({self.marker!r}, 'w').write('executed')",))
+
+
+@pytest.mark.parametrize("writer", ["torch_zip", "torch_legacy", "plain_pickle"])
+def test_pickle_with_code_is_refused(writer, tmp_path, tiny_zoo):
+    marker = tmp_path / "MARKER"
+    path = tmp_path / "evil.pth"
+    payload = {**tiny_zoo.state_dict(), "evil": _Payload(marker)}
+    if writer == "torch_zip":
+        torch.save(payload, path)
+    elif writer == "torch_legacy":
+        torch.save(payload, path, _use_new_zipfile_serialization=False)
+    else:
+        path.write_bytes(pickle.dumps(payload, protocol=2))
+    assert not marker.exists()
+
+    with pytest.raises(UnsafeCheckpointError, match="refused"):
+        hub.load_checkpoint(path)
+    with pytest.raises(UnsafeCheckpointError):
+        domainfm.create_model("dfmtest-tiny", pretrained=str(path), progress=False)
+    assert not marker.exists()
+
+    if writer == "torch_zip":  # the payload is live: an unsafe load does run it
+        torch.load(shutil.copy(path, tmp_path / "copy.pth"), weights_only=False)
+        assert marker.read_text() == "executed"
+
+
+def test_truncated_torch_checkpoint_is_a_hub_error(tmp_path, tiny_zoo):
+    path = tmp_path / "cut.pth"
+    data = _pth_bytes(tiny_zoo.state_dict())
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(HubError, match="cut.pth"):
+        hub.load_checkpoint(path)
+
+
+# --------------------------------------------------------------------------- load reports
+
+
+def test_extra_and_missing_key_strict_then_lenient(tmp_path, tiny_zoo):
+    state = tiny_zoo.state_dict(seed=5)
+    del state["body.2.bias"]
+    state["body.9.weight"] = torch.ones(3)
+    path = tmp_path / "odd.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(state, str(path))
+
+    with pytest.raises(HubError) as info:
+        domainfm.create_model("dfmtest-tiny", pretrained=str(path), progress=False)
+    assert "body.2.bias" in str(info.value) and "body.9.weight" in str(info.value)
+
+    with pytest.warns(UserWarning, match="body.2.bias"):
+        model = domainfm.create_model("dfmtest-tiny", pretrained=str(path), strict=False, progress=False)
+    report = model.domainfm_load_report
+    assert report.missing == ["body.2.bias"] and report.unexpected == ["body.9.weight"]
+    got = model.state_dict()
+    for key in state:
+        if key in got:
+            assert torch.equal(got[key], state[key]), key
+
+
+def test_changed_head_is_dropped_and_reported(tmp_path, tiny_zoo):
+    state = tiny_zoo.state_dict(seed=6)
+    path = tmp_path / "tiny.pth"
+    torch.save(state, path)
+    model = domainfm.create_model("dfmtest-tiny", pretrained=str(path), n_outputs=5, progress=False)
+    assert model.head.out_features == 5
+    report = model.domainfm_load_report
+    assert sorted(report.dropped_head) == ["head.bias", "head.weight"]
+    assert report.missing == [] and report.unexpected == []
+    for key, value in state.items():
+        if not key.startswith("head."):
+            assert torch.equal(model.state_dict()[key], value), key
+    assert "head.weight" in str(report)
+
+
+def test_body_shape_mismatch_names_key_and_shapes(tmp_path, tiny_zoo):
+    path = tmp_path / "wide.pth"
+    torch.save(tiny_zoo.state_dict(n_chans=4), path)  # body.0.weight is (8, 4); the model's is (8, 3)
+    with pytest.raises(HubError) as info:
+        domainfm.create_model("dfmtest-tiny", pretrained=str(path), progress=False)
+    message = str(info.value)
+    assert "body.0.weight" in message and "(8, 4)" in message and "(8, 3)" in message
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_tensor_raises(bad, tmp_path, tiny_zoo):
+    state = tiny_zoo.state_dict()
+    state["body.0.weight"][0, 0] = bad
+    path = tmp_path / "nan.pth"
+    torch.save(state, path)
+    with pytest.raises(HubError, match="body.0.weight"):
+        domainfm.create_model("dfmtest-tiny", pretrained=str(path), progress=False)
+
+
+def _strip_module(state_dict, model):
+    return {k.removeprefix("module."): v for k, v in state_dict.items()}
+
+
+def test_card_converter_applies_to_upstream_keys(http_server, tmp_path, tiny_zoo):
+    expected = tiny_zoo.state_dict(seed=7)
+    upstream = {"module." + k: v for k, v in expected.items()}
+    body = _pth_bytes({"model": upstream, "epoch": 12})
+    url = http_server.serve("/upstream/ckpt.pth", body)
+    tiny_zoo.register(
+        "dfmtest-upstream",
+        weights=[WeightSource(url, sha256=_sha(body), converter="strip_module", state_dict_key="model")],
+        converters={"strip_module": _strip_module},
+    )
+    model = domainfm.create_model("dfmtest-upstream", pretrained=True, progress=False)
+    _assert_state_equal(model, expected)
+    assert model.domainfm_load_report.converter == "strip_module"
+
+    # a local upstream file: the card's only converter is chosen because the keys do not match
+    local = tmp_path / "upstream.pth"
+    torch.save(upstream, local)
+    model = domainfm.create_model("dfmtest-upstream", pretrained=str(local), progress=False)
+    _assert_state_equal(model, expected)
+    assert model.domainfm_load_report.converter == "strip_module"
+
+    with pytest.raises(HubError, match="unknown converter 'nope'.*strip_module"):
+        domainfm.create_model("dfmtest-upstream", pretrained=str(local), converter="nope", progress=False)
+
+
+def test_card_naming_an_unknown_converter_is_rejected(tiny_zoo):
+    with pytest.raises(ValueError, match="names converter 'missing'"):
+        tiny_zoo.register("dfmtest-noconv", weights=[WeightSource("https://h.org/x.pth", "b" * 64, converter="missing")])
+
+
+# --------------------------------------------------------------------------- own format
+
+
+def test_save_pretrained_round_trip(tmp_path, tiny_zoo):
+    model = domainfm.create_model("dfmtest-tiny", n_outputs=3, hidden=6)
+    with torch.no_grad():
+        model.scale.uniform_(0.5, 1.5)
+    saved = domainfm.save_pretrained(model, tmp_path / "run")
+    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.safetensors"]  # no temp files
+    config = json.loads((saved / "config.json").read_text())["domainfm"]
+    assert config["model_name"] == "dfmtest-tiny"
+    assert config["model_kwargs"] == {"n_chans": 3, "n_outputs": 3, "hidden": 6}
+    assert config["sha256"] == hub.sha256_file(saved / "model.safetensors")
+
+    loaded = domainfm.create_model(saved)
+    assert loaded.domainfm_name == "dfmtest-tiny"
+    assert loaded.domainfm_load_report.sha256 == config["sha256"]
+    _assert_state_equal(loaded, model.state_dict())
+    x = torch.randn(4, 3)
+    model.eval(), loaded.eval()
+    assert torch.equal(model(x), loaded(x))
+
+
+def test_saved_dir_with_new_n_outputs_drops_only_head(tmp_path, tiny_zoo):
+    model = domainfm.create_model("dfmtest-tiny")
+    saved = domainfm.save_pretrained(model, tmp_path / "run")
+    loaded = domainfm.create_model(saved, n_outputs=7)
+    assert loaded.head.out_features == 7
+    assert sorted(loaded.domainfm_load_report.dropped_head) == ["head.bias", "head.weight"]
+    x = torch.randn(2, 3)
+    assert torch.equal(model.forward_features(x), loaded.forward_features(x))
+    for key, value in model.state_dict().items():
+        if not key.startswith("head."):
+            assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_truncated_safetensors_in_saved_dir_raises(tmp_path, tiny_zoo):
+    saved = domainfm.save_pretrained(domainfm.create_model("dfmtest-tiny"), tmp_path / "run")
+    weights = saved / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-40])
+    with pytest.raises(HubError, match="model.safetensors"):
+        domainfm.create_model(saved)
+
+    # without a recorded digest the file itself is found unreadable, still as a HubError
+    config_path = saved / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["domainfm"]["sha256"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(HubError, match="model.safetensors"):
+        domainfm.create_model(saved)
+    with pytest.raises(HubError, match="not a readable safetensors"):
+        hub.load_checkpoint(weights)
+
+
+def test_directory_without_domainfm_config_is_rejected(tmp_path, tiny_zoo):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(HubError, match="not a domainfm model directory"):
+        domainfm.create_model(tmp_path)
+
+
+def test_save_pretrained_needs_a_zoo_model(tmp_path, tiny_zoo):
+    with pytest.raises(ValueError, match="create_model"):
+        domainfm.save_pretrained(tiny_zoo.Net(), tmp_path / "x")
+    assert not (tmp_path / "x").exists()
