@@ -1,0 +1,106 @@
+"""ExPLoRA: parameter-efficient extended pretraining of DINOv2 / MAE ViTs on satellite imagery.
+
+Variants (all on timm's ViT, except the multispectral one on :class:`GroupChannelViT`):
+
+* natural-image starting points: ``explora-dinov2-vit-{small,base,large}`` (DINOv2 /14 at 224),
+  ``explora-mae-vit-{base,large}`` (MAE /16 at 224);
+* ExPLoRA results: ``explora-vit-{base,large}-dinov2-fmow-rgb``,
+  ``explora-vit-large-mae-fmow-sentinel`` (10 bands, 96 px, patch 8);
+* test-sized: ``explora-test`` (RGB ViT) and ``explora-multispectral-test``.
+
+No weight source is registered yet: the official files (HF ``samarkhanna/ExPLoRA``) and timm's
+DINOv2/MAE weights have no sha256 recorded here, and domainfm never loads an unverified file
+silently. Load a downloaded official file with ``create_model(name, pretrained="/path/file.pth")``
+(or :func:`domainfm.models.explora.convert.load_official`, which also reads full ``teacher``
+files).
+"""
+from __future__ import annotations
+
+from domainfm.zoo import register_model
+
+from .convert import convert_official, load_official
+from .satmae import SENTINEL2_GROUPS, GroupChannelViT
+from .vit import build_timm_vit, tiny_example_input, tiny_vit
+
+__all__ = ["GroupChannelViT", "build_timm_vit", "convert_official", "load_official", "SENTINEL2_GROUPS"]
+
+PAPER = "https://arxiv.org/abs/2406.10973"
+HF_REPO = "hf://samarkhanna/ExPLoRA"
+_CONVERTERS = {"official": convert_official}
+_RGB = {"n_chans": 3, "bands": ["red", "green", "blue"]}
+_S2_BANDS = ["B2", "B3", "B4", "B5", "B6", "B7", "B8", "B8A", "B11", "B12"]
+
+
+def _rgb_card(img_size: int, patch: int) -> dict:
+    return {**_RGB, "img_size": img_size, "patch_size": patch}
+
+
+def _register_timm(name: str, arch: str, *, img_size: int, patch: int, description: str, license: str) -> None:
+    def builder(**kwargs):
+        return build_timm_vit(arch, **kwargs)
+
+    builder.__doc__ = description
+    register_model(
+        name, family="explora", paper=PAPER, license=license, description=description,
+        input_spec=_rgb_card(img_size, patch), defaults={"img_size": img_size, "n_outputs": 0},
+        converters=_CONVERTERS, head="head",
+    )(builder)
+
+
+for _size in ("small", "base", "large"):
+    _register_timm(
+        f"explora-dinov2-vit-{_size}", f"dinov2-{_size}", img_size=224, patch=14, license="Apache-2.0",
+        description=f"DINOv2 ViT-{_size[0].upper()}/14 at 224 px (timm vit_{_size}_patch14_dinov2): ExPLoRA's natural-image start",
+    )
+for _size in ("base", "large"):
+    _register_timm(
+        f"explora-mae-vit-{_size}", f"mae-{_size}", img_size=224, patch=16, license="CC-BY-NC-4.0",
+        description=f"MAE ViT-{_size[0].upper()}/16 at 224 px (timm vit_{_size}_patch16_224.mae layout): ExPLoRA's MAE start",
+    )
+for _size in ("base", "large"):
+    _register_timm(
+        f"explora-vit-{_size}-dinov2-fmow-rgb", f"dinov2-{_size}", img_size=224, patch=14, license="unknown",
+        description=(
+            f"ExPLoRA DINOv2 ViT-{_size[0].upper()}/14 extended-pretrained on fMoW-RGB (official file "
+            f"{HF_REPO[5:]}/explora_dinov2_fmow_rgb/explora_dinov2_vit_{_size}_fmow_rgb_encoder_only.pth)"
+        ),
+    )
+
+
+@register_model(
+    "explora-vit-large-mae-fmow-sentinel", family="explora", paper=PAPER, license="unknown",
+    description=(
+        "ExPLoRA MAE ViT-L/8 group-channel (SatMAE) on fMoW-Sentinel, 10 bands, 96 px (official file "
+        "samarkhanna/ExPLoRA/explora_mae_multispectral/explora_mae_fmow_sentinel_encoder_only.pth)"
+    ),
+    input_spec={"n_chans": 10, "bands": _S2_BANDS, "img_size": 96, "patch_size": 8,
+                "channel_groups": [list(g) for g in SENTINEL2_GROUPS]},
+    defaults={"n_outputs": 0}, converters=_CONVERTERS, head="head",
+)
+def explora_vit_large_mae_fmow_sentinel(**kwargs):
+    """ExPLoRA multispectral ViT-L (SatMAE group channels)."""
+    return GroupChannelViT(**kwargs)
+
+
+@register_model(
+    "explora-test", family="explora", paper=PAPER, license="Apache-2.0",
+    description="test-sized timm ViT (DINOv2 layout: LayerScale, class token), 32 px, patch 4",
+    input_spec=_rgb_card(32, 4), defaults={"n_outputs": 10}, converters=_CONVERTERS, head="head",
+    tags=("test",), example_input=lambda: tiny_example_input(3, 32),
+)
+def explora_test(**kwargs):
+    """Test-sized ExPLoRA ViT."""
+    return tiny_vit(**kwargs)
+
+
+@register_model(
+    "explora-multispectral-test", family="explora", paper=PAPER, license="Apache-2.0",
+    description="test-sized group-channel ViT: 10 bands, 3 groups, 16 px, patch 4",
+    input_spec={"n_chans": 10, "bands": _S2_BANDS, "img_size": 16, "patch_size": 4},
+    defaults={"n_outputs": 5, "img_size": 16, "patch_size": 4, "in_chans": 10, "embed_dim": 48, "depth": 3,
+              "num_heads": 3, "channel_embed": 16},
+    converters=_CONVERTERS, head="head", tags=("test",), example_input=lambda: tiny_example_input(10, 16),
+)
+def explora_multispectral_test(**kwargs):
+    """Test-sized group-channel ViT."""
+    return GroupChannelViT(**kwargs)
