@@ -1,0 +1,547 @@
+"""Satellite imagery in, tensors out: multi-band GeoTIFF / JPEG2000 through rasterio.
+
+* :func:`read_raster` reads one multi-band file, or several single-band files of *mixed*
+  resolutions (Sentinel-2's 10/20/60 m bands), resampled onto one common grid (the finest
+  resolution over the files' common extent, or the ``resolution`` asked for).
+* :func:`select_bands`, :class:`BandStats` (per-band mean/std, computed or given) and
+  :func:`write_geotiff` (atomic) around them.
+* Datasets: :class:`SceneTiles` (tiles cut from one scene), :class:`ImageFolder` (EuroSAT style
+  ``root/<class>/<image>.tif``) and :class:`CsvManifest` (fMoW style ``image_path,label`` CSV).
+* Transforms on ``(C, H, W)`` tensors with *any* number of bands: :class:`MultiCrop` (DINOv2:
+  2 global + N local random-resized crops), :class:`MaeTransform` and :class:`Resize`.
+* :func:`spectral_index_classes`: land-cover classes **derived from spectral indices**
+  (NDVI/NDWI thresholds). They are a constructed demo label, not ground truth.
+
+**Shapes:** images are ``(C, H, W)``; a batch of multi-crops is a list of ``(B, C, h, w)``.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+__all__ = [
+    "read_raster",
+    "Raster",
+    "select_bands",
+    "BandStats",
+    "write_geotiff",
+    "SceneTiles",
+    "ImageFolder",
+    "CsvManifest",
+    "MultiCrop",
+    "MaeTransform",
+    "Resize",
+    "random_resized_crop",
+    "multicrop_collate",
+    "ndvi",
+    "ndwi",
+    "spectral_index_classes",
+    "INDEX_CLASSES",
+    "SENTINEL2_BANDS",
+    "EXPLORA_SENTINEL2_BANDS",
+    "sample_scene_path",
+]
+
+#: the 13 Sentinel-2 L1C bands in file order
+SENTINEL2_BANDS = ("B01", "B02", "B03", "B04", "B05", "B06", "B07", "B08", "B8A", "B09", "B10", "B11", "B12")
+#: the 10 bands SatMAE / ExPLoRA keep (B1, B9, B10 dropped)
+EXPLORA_SENTINEL2_BANDS = ("B02", "B03", "B04", "B05", "B06", "B07", "B08", "B8A", "B11", "B12")
+_RASTER_SUFFIXES = (".tif", ".tiff", ".jp2")
+
+
+def _rasterio():
+    try:
+        import rasterio
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise ImportError("reading satellite rasters needs rasterio: pip install rasterio") from exc
+    return rasterio
+
+
+@dataclass
+class Raster:
+    """Pixels and georeferencing of one (possibly resampled) scene."""
+
+    data: np.ndarray  # (C, H, W), the files' dtype
+    band_names: list[str]
+    transform: object  # affine.Affine
+    crs: object
+    resolution: tuple[float, float]
+    nodata: float | None = None
+
+
+def _band_names_of(ds, path: Path) -> list[str]:
+    names = list(ds.descriptions)
+    if ds.count == 1 and not names[0]:
+        return [path.stem.rsplit("_", 1)[-1]]  # s2_B04.jp2 -> B04
+    return [n or f"band{i + 1}" for i, n in enumerate(names)]
+
+
+def read_raster(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    bands: Sequence[str] | None = None,
+    resolution: float | None = None,
+    resampling: str = "bilinear",
+) -> Raster:
+    """Read one multi-band raster, or several rasters (e.g. one per band) onto a common grid.
+
+    Args:
+        paths: a GeoTIFF/JP2 path, or a list of them. With several files (or ``resolution``)
+            every band is resampled onto one grid: the files' common extent at the finest pixel
+            size among them (or ``resolution``, in CRS units).
+        bands: band names to keep, in this order (names from the files' band descriptions, or
+            from single-band file names ``*_B04.jp2``); ``None`` keeps all.
+        resampling: a rasterio resampling name (``"bilinear"``, ``"average"``, ``"nearest"``, ...).
+
+    Raises:
+        FileNotFoundError / ValueError naming the file and what was wrong (missing file,
+        different CRS, no overlap, unknown band).
+    """
+    rasterio = _rasterio()
+    from rasterio.enums import Resampling
+    from rasterio.transform import from_origin
+    from rasterio.windows import from_bounds
+
+    files = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
+    if not files:
+        raise ValueError("read_raster: no file given")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"raster file not found: {f}")
+    try:
+        method = Resampling[resampling]
+    except KeyError:
+        raise ValueError(f"resampling={resampling!r}: expected one of {[r.name for r in Resampling][:10]}...") from None
+
+    datasets = [rasterio.open(f) for f in files]
+    try:
+        crs = datasets[0].crs
+        for ds, f in zip(datasets, files):
+            if ds.crs != crs:
+                raise ValueError(f"{f}: CRS {ds.crs} differs from {files[0]}'s {crs}; reproject first")
+        names = [n for ds, f in zip(datasets, files) for n in _band_names_of(ds, f)]
+        if len(datasets) == 1 and resolution is None:
+            ds = datasets[0]
+            data = ds.read()
+            res = (abs(ds.transform.a), abs(ds.transform.e))
+            raster = Raster(data, names, ds.transform, crs, res, ds.nodata)
+        else:
+            left = max(ds.bounds.left for ds in datasets)
+            right = min(ds.bounds.right for ds in datasets)
+            bottom = max(ds.bounds.bottom for ds in datasets)
+            top = min(ds.bounds.top for ds in datasets)
+            if right <= left or top <= bottom:
+                raise ValueError(f"the rasters {[str(f) for f in files]} do not overlap")
+            res = float(resolution) if resolution is not None else min(min(abs(ds.transform.a), abs(ds.transform.e)) for ds in datasets)
+            width, height = int(math.floor((right - left) / res)), int(math.floor((top - bottom) / res))
+            if width < 1 or height < 1:
+                raise ValueError(f"resolution={res} leaves no pixel in the common extent")
+            right, bottom = left + width * res, top - height * res
+            out = []
+            for ds in datasets:
+                window = from_bounds(left, bottom, right, top, transform=ds.transform)
+                out.append(ds.read(window=window, out_shape=(ds.count, height, width), resampling=method))
+            dtypes = {a.dtype for a in out}
+            data = np.concatenate(out, axis=0) if len(dtypes) == 1 else np.concatenate([a.astype(np.float32) for a in out])
+            raster = Raster(data, names, from_origin(left, top, res, res), crs, (res, res), datasets[0].nodata)
+    finally:
+        for ds in datasets:
+            ds.close()
+    if bands is not None:
+        raster.data = select_bands(raster.data, raster.band_names, bands, source=", ".join(map(str, files)))
+        raster.band_names = list(bands)
+    return raster
+
+
+def select_bands(data: np.ndarray | torch.Tensor, names: Sequence[str], wanted: Sequence[str], *, source: str = "image"):
+    """``data[(index of each wanted name)]`` along the band axis (0), with a clear error."""
+    names = list(names)
+    if len(names) != data.shape[0]:
+        raise ValueError(f"{source}: {data.shape[0]} bands but {len(names)} band names")
+    missing = [b for b in wanted if b not in names]
+    if missing:
+        raise ValueError(f"{source}: bands {missing} not found; it has {names}")
+    index = [names.index(b) for b in wanted]
+    return data[index]
+
+
+@dataclass
+class BandStats:
+    """Per-band normalisation statistics: ``(x - mean) / std`` on ``(C, H, W)`` or ``(B, C, H, W)``."""
+
+    mean: list[float]
+    std: list[float]
+
+    def __post_init__(self):
+        if len(self.mean) != len(self.std):
+            raise ValueError(f"BandStats: {len(self.mean)} means but {len(self.std)} stds")
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"BandStats: every std must be > 0, got {self.std}")
+
+    @property
+    def n_bands(self) -> int:
+        return len(self.mean)
+
+    @classmethod
+    def compute(cls, data: np.ndarray | torch.Tensor, nodata: float | None = None) -> "BandStats":
+        """Statistics of ``(C, H, W)`` (or ``(N, C, H, W)``) pixels, ignoring ``nodata`` values."""
+        arr = np.asarray(data, dtype=np.float64)
+        arr = np.moveaxis(arr, -3, 0).reshape(arr.shape[-3], -1)
+        mean, std = [], []
+        for band in arr:
+            valid = band[band != nodata] if nodata is not None else band
+            if valid.size == 0:
+                raise ValueError("BandStats.compute: a band has no valid pixel")
+            mean.append(float(valid.mean()))
+            std.append(float(max(valid.std(), 1e-6)))
+        return cls(mean, std)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-3] != self.n_bands:
+            raise ValueError(f"image has {x.shape[-3]} bands but the statistics are for {self.n_bands}")
+        shape = (-1, 1, 1)
+        mean = torch.tensor(self.mean, dtype=torch.float32).reshape(shape)
+        std = torch.tensor(self.std, dtype=torch.float32).reshape(shape)
+        return (x.float() - mean) / std
+
+    def denormalize(self, x: torch.Tensor) -> torch.Tensor:
+        mean = torch.tensor(self.mean, dtype=torch.float32).reshape(-1, 1, 1)
+        std = torch.tensor(self.std, dtype=torch.float32).reshape(-1, 1, 1)
+        return x * std + mean
+
+
+def write_geotiff(path: str | os.PathLike, data: np.ndarray, *, transform, crs, band_names: Sequence[str] | None = None,
+                  nodata: float | None = None, compress: str = "deflate") -> Path:
+    """Write ``(C, H, W)`` to a tiled, compressed GeoTIFF atomically (temp file + rename)."""
+    rasterio = _rasterio()
+    path = Path(path)
+    if data.ndim != 3:
+        raise ValueError(f"write_geotiff: expected (C, H, W), got shape {data.shape}")
+    if band_names is not None and len(band_names) != data.shape[0]:
+        raise ValueError(f"write_geotiff: {len(band_names)} band names for {data.shape[0]} bands")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.tif")
+    profile = dict(driver="GTiff", width=data.shape[2], height=data.shape[1], count=data.shape[0], dtype=data.dtype.name,
+                   transform=transform, crs=crs, compress=compress, nodata=nodata)
+    if compress == "deflate" and data.dtype.kind in "ui":
+        profile["predictor"] = 2
+    try:
+        with rasterio.open(tmp, "w", **profile) as dst:
+            dst.write(data)
+            for i, name in enumerate(band_names or []):
+                dst.set_band_description(i + 1, name)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _read_image(path: Path, n_bands: int | None, bands: Sequence[int] | None) -> torch.Tensor:
+    suffix = path.suffix.lower()
+    if suffix in _RASTER_SUFFIXES:
+        rasterio = _rasterio()
+        with rasterio.open(path) as ds:
+            data = ds.read()
+    elif suffix == ".npy":
+        data = np.load(path, allow_pickle=False)
+    else:
+        raise ValueError(f"{path}: unsupported image format {suffix!r}; expected {_RASTER_SUFFIXES + ('.npy',)}")
+    if data.ndim != 3:
+        raise ValueError(f"{path}: expected a (bands, height, width) image, got shape {data.shape}")
+    if bands is not None:
+        if max(bands) >= data.shape[0]:
+            raise ValueError(f"{path}: has {data.shape[0]} bands, cannot select band index {max(bands)}")
+        data = data[list(bands)]
+    if n_bands is not None and data.shape[0] != n_bands:
+        raise ValueError(f"{path}: has {data.shape[0]} bands, expected {n_bands}")
+    return torch.from_numpy(data.astype(np.float32))
+
+
+class SceneTiles(Dataset):
+    """Square tiles cut from one ``(C, H, W)`` scene, optionally with one label per tile.
+
+    Args:
+        image: the scene (tensor or array).
+        tile_size, stride: tile side and step in pixels (``stride < tile_size`` overlaps).
+        transform: applied to each tile (e.g. :class:`MultiCrop`).
+        labels_fn: ``fn(tile) -> int`` giving the tile's label (from the *raw* tile).
+        keep: ``fn(row, col) -> bool`` on tile origins, to keep a subset (spatial splits).
+        raw: scene used by ``labels_fn`` (default ``image``), e.g. unnormalised reflectance.
+    """
+
+    def __init__(self, image, tile_size: int, stride: int | None = None, *, transform: Callable | None = None,
+                 labels_fn: Callable[[torch.Tensor], int] | None = None, keep: Callable[[int, int], bool] | None = None,
+                 raw=None):
+        image = torch.as_tensor(np.asarray(image) if not isinstance(image, torch.Tensor) else image).float()
+        if image.ndim != 3:
+            raise ValueError(f"SceneTiles: expected a (C, H, W) scene, got shape {tuple(image.shape)}")
+        stride = stride or tile_size
+        if tile_size < 1 or stride < 1 or tile_size > min(image.shape[1:]):
+            raise ValueError(f"SceneTiles: tile_size={tile_size}, stride={stride} do not fit a scene of {tuple(image.shape[1:])}")
+        self.image, self.tile_size, self.transform = image, tile_size, transform
+        self.origins = [(r, c) for r in range(0, image.shape[1] - tile_size + 1, stride)
+                        for c in range(0, image.shape[2] - tile_size + 1, stride) if keep is None or keep(r, c)]
+        if not self.origins:
+            raise ValueError("SceneTiles: `keep` rejected every tile")
+        self.labels = None
+        if labels_fn is not None:
+            raw_t = torch.as_tensor(np.asarray(raw)).float() if raw is not None else image
+            self.labels = torch.tensor([int(labels_fn(raw_t[:, r:r + tile_size, c:c + tile_size])) for r, c in self.origins])
+
+    def __len__(self) -> int:
+        return len(self.origins)
+
+    def tile(self, index: int) -> torch.Tensor:
+        r, c = self.origins[index]
+        return self.image[:, r:r + self.tile_size, c:c + self.tile_size]
+
+    def __getitem__(self, index: int):
+        x = self.tile(index)
+        x = self.transform(x) if self.transform is not None else x
+        return (x, self.labels[index]) if self.labels is not None else x
+
+
+class ImageFolder(Dataset):
+    """EuroSAT-style ``root/<class name>/<image>.{tif,jp2,npy}``; classes sorted by name.
+
+    Args:
+        n_bands: bands every image must have (after ``bands`` selection); a mismatch names the file.
+        bands: band indices (0-based) to keep, in order.
+        stats: per-band normalisation applied after loading.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, n_bands: int | None = None, bands: Sequence[int] | None = None,
+                 stats: BandStats | None = None, transform: Callable | None = None):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"image folder not found: {self.root}")
+        self.classes = sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        if not self.classes:
+            raise ValueError(f"{self.root}: no class sub-folders (expected root/<class>/<image>.tif)")
+        self.samples = [(p, i) for i, c in enumerate(self.classes) for p in sorted((self.root / c).iterdir())
+                        if p.suffix.lower() in _RASTER_SUFFIXES + (".npy",)]
+        if not self.samples:
+            raise ValueError(f"{self.root}: no images with suffix {_RASTER_SUFFIXES + ('.npy',)} in its class folders")
+        self.n_bands, self.bands, self.stats, self.transform = n_bands, bands, stats, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, label = self.samples[index]
+        x = _read_image(path, self.n_bands, self.bands)
+        if self.stats is not None:
+            x = self.stats.normalize(x)
+        return (self.transform(x) if self.transform else x), label
+
+
+class CsvManifest(Dataset):
+    """fMoW-style CSV manifest: one row per image with a path column and a label column.
+
+    Relative paths are resolved against the CSV's folder. Labels may be names (mapped to sorted
+    indices, ``self.classes``) or integers.
+    """
+
+    def __init__(self, csv_path: str | os.PathLike, *, image_column: str = "image_path", label_column: str = "category",
+                 n_bands: int | None = None, bands: Sequence[int] | None = None, stats: BandStats | None = None,
+                 transform: Callable | None = None, classes: Sequence[str] | None = None):
+        self.csv_path = Path(csv_path)
+        if not self.csv_path.is_file():
+            raise FileNotFoundError(f"CSV manifest not found: {self.csv_path}")
+        with open(self.csv_path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            columns = reader.fieldnames or []
+            for col in (image_column, label_column):
+                if col not in columns:
+                    raise ValueError(f"{self.csv_path}: no column {col!r}; columns are {columns}")
+            rows = list(reader)
+        if not rows:
+            raise ValueError(f"{self.csv_path}: no rows")
+        raw_labels = [r[label_column] for r in rows]
+        if classes is None:
+            numeric = all(v.strip().lstrip("-").isdigit() for v in raw_labels)
+            classes = None if numeric else sorted(set(raw_labels))
+        self.classes = list(classes) if classes is not None else None
+        self.samples = []
+        for line, r in enumerate(rows, start=2):
+            p = Path(r[image_column])
+            p = p if p.is_absolute() else self.csv_path.parent / p
+            value = r[label_column]
+            if self.classes is None:
+                label = int(value)
+            elif value in self.classes:
+                label = self.classes.index(value)
+            else:
+                raise ValueError(f"{self.csv_path} line {line}: label {value!r} not in classes {self.classes[:10]}")
+            self.samples.append((p, label))
+        self.n_bands, self.bands, self.stats, self.transform = n_bands, bands, stats, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, label = self.samples[index]
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.csv_path}: image {path} (row {index + 2}) not found")
+        x = _read_image(path, self.n_bands, self.bands)
+        if self.stats is not None:
+            x = self.stats.normalize(x)
+        return (self.transform(x) if self.transform else x), label
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def random_resized_crop(x: torch.Tensor, size: int, scale: tuple[float, float], ratio=(3 / 4, 4 / 3),
+                        rng: random.Random | None = None) -> torch.Tensor:
+    """torchvision's RandomResizedCrop on a ``(C, H, W)`` tensor of any number of bands."""
+    rng = rng or random
+    _, h, w = x.shape
+    area = h * w
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        cw, ch = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            top, left = rng.randint(0, h - ch), rng.randint(0, w - cw)
+            break
+    else:  # central crop, as torchvision's fallback
+        ch, cw = h, w
+        top, left = 0, 0
+    crop = x[:, top:top + ch, left:left + cw]
+    return F.interpolate(crop.unsqueeze(0), size=(size, size), mode="bilinear", align_corners=False,
+                         antialias=True).squeeze(0)
+
+
+def _flip(x: torch.Tensor, rng) -> torch.Tensor:
+    # overhead imagery has no "up": vertical flips are as valid as horizontal ones
+    if rng.random() < 0.5:
+        x = x.flip(-1)
+    if rng.random() < 0.5:
+        x = x.flip(-2)
+    return x
+
+
+def _jitter(x: torch.Tensor, strength: float, rng) -> torch.Tensor:
+    """Band-agnostic photometric jitter: per-image brightness shift and contrast scale (in
+    normalised units). DINOv2's colour jitter / grayscale / solarisation assume RGB."""
+    if strength <= 0:
+        return x
+    mean = x.mean(dim=(-2, -1), keepdim=True)
+    contrast = 1 + rng.uniform(-strength, strength)
+    return (x - mean) * contrast + mean + rng.uniform(-strength, strength)
+
+
+class MultiCrop:
+    """DINOv2 multi-crop: 2 global crops (``global_scale``) and ``n_local`` local crops
+    (``local_scale``), each random-resized, flipped and jittered; works on any band count.
+
+    ExPLoRA's ViT-L/14 setting: ``global_size=224, local_size=98, n_local=8,
+    global_scale=(0.32, 1.0), local_scale=(0.05, 0.32)``.
+    """
+
+    def __init__(self, global_size: int = 224, local_size: int = 98, n_local: int = 8,
+                 global_scale=(0.32, 1.0), local_scale=(0.05, 0.32), jitter: float = 0.2, seed: int | None = None):
+        for name, (lo, hi) in (("global_scale", global_scale), ("local_scale", local_scale)):
+            if not 0 < lo <= hi <= 1:
+                raise ValueError(f"MultiCrop: {name}={(lo, hi)} must satisfy 0 < low <= high <= 1")
+        self.global_size, self.local_size, self.n_local = global_size, local_size, n_local
+        self.global_scale, self.local_scale, self.jitter = tuple(global_scale), tuple(local_scale), jitter
+        self.rng = random.Random(seed) if seed is not None else random
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        crops = []
+        for i in range(2 + self.n_local):
+            size, scale = (self.global_size, self.global_scale) if i < 2 else (self.local_size, self.local_scale)
+            crop = _flip(random_resized_crop(x, size, scale, rng=self.rng), self.rng)
+            crops.append(_jitter(crop, self.jitter, self.rng))
+        return crops
+
+
+def multicrop_collate(batch: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """List of per-image crop lists -> list of ``(B, C, h, w)``, one per crop position."""
+    return [torch.stack(crops) for crops in zip(*batch)]
+
+
+class MaeTransform:
+    """MAE pretraining augmentation: random-resized crop (scale 0.2-1) + flips, any band count."""
+
+    def __init__(self, size: int = 224, scale=(0.2, 1.0), seed: int | None = None):
+        self.size, self.scale = size, tuple(scale)
+        self.rng = random.Random(seed) if seed is not None else random
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _flip(random_resized_crop(x, self.size, self.scale, rng=self.rng), self.rng)
+
+
+class Resize:
+    """Bilinear resize of a ``(C, H, W)`` tile to ``size x size`` (evaluation), optional flips."""
+
+    def __init__(self, size: int, flip: bool = False, seed: int | None = None):
+        self.size, self.flip = size, flip
+        self.rng = random.Random(seed) if seed is not None else random
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.size or x.shape[-2] != self.size:
+            x = F.interpolate(x.unsqueeze(0), size=(self.size, self.size), mode="bilinear", align_corners=False,
+                              antialias=True).squeeze(0)
+        return _flip(x, self.rng) if self.flip else x
+
+
+# ----------------------------------------------------------------------------- spectral-index labels
+
+
+def ndvi(red: torch.Tensor, nir: torch.Tensor) -> torch.Tensor:
+    """Normalised difference vegetation index ``(NIR - red) / (NIR + red)``."""
+    red, nir = red.float(), nir.float()
+    return (nir - red) / (nir + red).clamp_min(1e-6)
+
+
+def ndwi(green: torch.Tensor, nir: torch.Tensor) -> torch.Tensor:
+    """McFeeters' normalised difference water index ``(green - NIR) / (green + NIR)``."""
+    green, nir = green.float(), nir.float()
+    return (green - nir) / (green + nir).clamp_min(1e-6)
+
+
+#: classes of :func:`spectral_index_classes`, in label order
+INDEX_CLASSES = ("water", "shore_mixed", "moderate_vegetation", "dense_vegetation")
+
+
+def spectral_index_classes(tile: torch.Tensor, band_names: Sequence[str], *, water_fraction: float = 0.5,
+                           shore_fraction: float = 0.1, dense_ndvi: float = 0.45) -> int:
+    """A *constructed* land-cover label for a tile from its spectral indices (not ground truth).
+
+    With ``w`` the fraction of pixels with NDWI > 0: ``water`` if ``w >= water_fraction``,
+    ``shore_mixed`` if ``w >= shore_fraction``, otherwise by mean NDVI ``moderate_vegetation``
+    (``< dense_ndvi``) or ``dense_vegetation``. Needs bands B03 (green), B04 (red), B08 (NIR)
+    by name.
+    """
+    green, red, nir = (select_bands(tile, band_names, [b], source="tile")[0] for b in ("B03", "B04", "B08"))
+    w = float((ndwi(green, nir) > 0).float().mean())
+    if w >= water_fraction:
+        return 0
+    if w >= shore_fraction:
+        return 1
+    return 2 if float(ndvi(red, nir).mean()) < dense_ndvi else 3
+
+
+def sample_scene_path() -> Path:
+    """The shipped Sentinel-2 sample scene (see ``samples/satellite/README.md``)."""
+    import importlib.resources
+
+    path = Path(str(importlib.resources.files("domainfm.data_loaders") / "samples" / "satellite" / "s2_sample_60m.tif"))
+    if not path.is_file():
+        raise FileNotFoundError(f"the shipped Sentinel-2 sample is missing: {path} (reinstall domainfm)")
+    return path

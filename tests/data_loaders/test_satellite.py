@@ -1,0 +1,114 @@
+"""Satellite loading: GeoTIFF round trip, mixed resolutions, band selection, normalisation,
+datasets and crop transforms on any band count."""
+import numpy as np
+import pytest
+import torch
+
+rasterio = pytest.importorskip("rasterio")
+from rasterio.transform import from_origin  # noqa: E402
+
+from domainfm.data_loaders import satellite as S  # noqa: E402
+
+
+def _scene(c=4, h=20, w=24, seed=0, dtype=np.uint16):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 10000, size=(c, h, w)).astype(dtype)
+
+
+def test_geotiff_round_trip_bands_dtype_and_normalisation(tmp_path):
+    data = _scene()
+    names = ["B02", "B03", "B04", "B08"]
+    path = S.write_geotiff(tmp_path / "scene.tif", data, transform=from_origin(500000, 4200000, 10, 10),
+                           crs="EPSG:32618", band_names=names)
+    r = S.read_raster(path)
+    assert r.data.dtype == np.uint16 and r.band_names == names and r.resolution == (10.0, 10.0)
+    assert np.array_equal(r.data, data)
+    r2 = S.read_raster(path, bands=["B08", "B02"])
+    assert np.array_equal(r2.data, data[[3, 0]]) and r2.band_names == ["B08", "B02"]
+    stats = S.BandStats.compute(r.data)
+    assert stats.mean == pytest.approx(data.reshape(4, -1).mean(1).tolist())
+    assert stats.std == pytest.approx(data.reshape(4, -1).std(1).tolist())
+    z = stats.normalize(torch.from_numpy(r.data.astype(np.float32)))
+    torch.testing.assert_close(z.mean(dim=(1, 2)), torch.zeros(4), atol=1e-4, rtol=0)
+    torch.testing.assert_close(z.std(dim=(1, 2), unbiased=False), torch.ones(4), atol=1e-4, rtol=0)
+    torch.testing.assert_close(stats.denormalize(z), torch.from_numpy(data.astype(np.float32)), atol=1e-2, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"bands \['B11'\] not found"):
+        S.read_raster(path, bands=["B11"])
+    with pytest.raises(ValueError, match="image has 3 bands but the statistics are for 4"):
+        stats.normalize(torch.zeros(3, 2, 2))
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_mixed_resolutions_are_resampled_onto_the_finest_common_grid(tmp_path):
+    fine = np.arange(8 * 8, dtype=np.float32).reshape(1, 8, 8)
+    coarse = np.array([[[1.0, 2.0], [3.0, 4.0]]], dtype=np.float32)  # 40 m pixels over the same 80 m
+    S.write_geotiff(tmp_path / "x_B02.tif", fine, transform=from_origin(0, 80, 10, 10), crs="EPSG:32618")
+    S.write_geotiff(tmp_path / "x_B11.tif", coarse, transform=from_origin(0, 80, 40, 40), crs="EPSG:32618")
+    r = S.read_raster([tmp_path / "x_B02.tif", tmp_path / "x_B11.tif"], resampling="nearest")
+    assert r.data.shape == (2, 8, 8) and r.band_names == ["B02", "B11"] and r.resolution == (10.0, 10.0)
+    assert np.array_equal(r.data[0], fine[0])
+    assert np.array_equal(r.data[1], np.kron(coarse[0], np.ones((4, 4))))  # each 40 m pixel -> 4x4
+    avg = S.read_raster([tmp_path / "x_B02.tif"], resolution=20.0, resampling="average")
+    assert avg.data.shape == (1, 4, 4) and avg.data[0, 0, 0] == pytest.approx(fine[0, :2, :2].mean())
+    S.write_geotiff(tmp_path / "y.tif", coarse, transform=from_origin(0, 80, 40, 40), crs="EPSG:4326")
+    with pytest.raises(ValueError, match="CRS"):
+        S.read_raster([tmp_path / "x_B02.tif", tmp_path / "y.tif"])
+    with pytest.raises(FileNotFoundError, match="missing.tif"):
+        S.read_raster(tmp_path / "missing.tif")
+
+
+def test_image_folder_and_csv_manifest_check_band_count(tmp_path):
+    for cls, seed in (("forest", 1), ("river", 2)):
+        for i in range(2):
+            S.write_geotiff(tmp_path / "eurosat" / cls / f"{i}.tif", _scene(c=5, h=8, w=8, seed=seed + 10 * i),
+                            transform=from_origin(0, 0, 10, 10), crs="EPSG:32618")
+    ds = S.ImageFolder(tmp_path / "eurosat", n_bands=5)
+    assert ds.classes == ["forest", "river"] and len(ds) == 4
+    x, y = ds[3]
+    assert x.shape == (5, 8, 8) and x.dtype == torch.float32 and y == 1
+    with pytest.raises(ValueError, match=r"1\.tif: has 5 bands, expected 3"):
+        S.ImageFolder(tmp_path / "eurosat", n_bands=3)[1]
+    sub = S.ImageFolder(tmp_path / "eurosat", n_bands=2, bands=[4, 0])
+    assert torch.equal(sub[0][0], ds[0][0][[4, 0]])
+    (tmp_path / "m.csv").write_text("image_path,category\neurosat/river/0.tif,river\neurosat/forest/1.tif,forest\n")
+    man = S.CsvManifest(tmp_path / "m.csv", n_bands=5)
+    assert man.classes == ["forest", "river"] and man[0][1] == 1 and torch.equal(man[1][0], ds[1][0])
+    (tmp_path / "bad.csv").write_text("path,label\nx.tif,1\n")
+    with pytest.raises(ValueError, match="no column 'image_path'"):
+        S.CsvManifest(tmp_path / "bad.csv")
+
+
+def test_multicrop_and_mae_transforms_on_ten_bands():
+    x = torch.randn(10, 40, 40)
+    crops = S.MultiCrop(global_size=32, local_size=16, n_local=3, seed=0)(x)
+    assert [c.shape for c in crops] == [(10, 32, 32)] * 2 + [(10, 16, 16)] * 3
+    batch = S.multicrop_collate([crops, crops])
+    assert len(batch) == 5 and batch[0].shape == (2, 10, 32, 32)
+    assert S.MaeTransform(24, seed=0)(x).shape == (10, 24, 24)
+    # a full-scale crop with no jitter is the resized image (up to flips)
+    full = S.random_resized_crop(x, 40, scale=(1.0, 1.0), ratio=(1.0, 1.0))
+    torch.testing.assert_close(full, x, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="global_scale"):
+        S.MultiCrop(global_scale=(0.5, 1.2))
+
+
+def test_scene_tiles_and_spectral_index_labels():
+    names = ["B02", "B03", "B04", "B08"]
+    img = torch.full((4, 8, 16), 1000.0)
+    img[2, :, :8] = 1000.0  # left half: red 1000, NIR 5000 -> NDVI 0.667 (dense vegetation)
+    img[3, :, :8] = 5000.0
+    img[1, :, 8:] = 3000.0  # right half: green 3000 > NIR 1000 -> NDWI 0.5 (water)
+    img[3, :, 8:] = 1000.0
+    tiles = S.SceneTiles(img, 8, labels_fn=lambda t: S.spectral_index_classes(t, names))
+    assert tiles.origins == [(0, 0), (0, 8)] and tiles.labels.tolist() == [3, 0]
+    assert float(S.ndvi(torch.tensor(1000.0), torch.tensor(5000.0))) == pytest.approx(4000 / 6000)
+    half = S.SceneTiles(img, 4, keep=lambda r, c: c >= 8)
+    assert len(half) == 4 and all(c >= 8 for _, c in half.origins)
+    with pytest.raises(ValueError, match="do not fit"):
+        S.SceneTiles(img, 20)
+
+
+def test_shipped_sentinel2_sample():
+    r = S.read_raster(S.sample_scene_path(), bands=list(S.EXPLORA_SENTINEL2_BANDS))
+    assert r.data.shape[0] == 10 and r.data.dtype == np.uint16 and r.resolution == (60.0, 60.0)
+    assert str(r.crs) == "EPSG:32618"
