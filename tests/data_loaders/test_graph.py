@@ -1,0 +1,220 @@
+"""Graph data: CSR sampling, task-trees (roots, depths, fan-outs), validation, text features, shipped graphs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from domainfm.data_loaders import graph as G
+
+
+def _star_and_path():
+    """Node 0 has in-neighbours 1..20 (a star), a path 20 -> 21 -> 22, and isolated node 23."""
+    src = list(range(1, 21)) + [20, 21]
+    dst = [0] * 20 + [21, 22]
+    # reverse edges too, so every edge is undirected
+    ei = torch.tensor([src + dst, dst + src])
+    x = torch.arange(24, dtype=torch.float32).unsqueeze(1).repeat(1, 4)
+    return x, ei
+
+
+def _in_neighbors(edge_index, v):
+    return set(edge_index[0, edge_index[1] == v].tolist())
+
+
+@pytest.mark.parametrize("fanout", [1, 3, 5, 19, 20, 25, -1])
+def test_sampler_respects_fanout_distinct_and_real_neighbours(fanout):
+    x, ei = _star_and_path()
+    csr = G.build_csr(ei, 24)
+    nodes = torch.tensor([0, 21, 23, 0, 5])
+    nb, parent, eid = G.sample_neighbors(csr, nodes, fanout, torch.Generator().manual_seed(0))
+    assert torch.all(parent[1:] >= parent[:-1])  # grouped by parent in input order
+    deg = {0: 20, 21: 2, 23: 0, 5: 1}
+    for pos, v in enumerate(nodes.tolist()):
+        mine = nb[parent == pos].tolist()
+        expected = deg[v] if fanout < 0 else min(deg[v], fanout)
+        assert len(mine) == expected and len(set(mine)) == expected
+        assert set(mine) <= _in_neighbors(ei, v)
+    # the edge ids point at edges that really connect neighbour -> parent
+    torch.testing.assert_close(ei[0, eid], nb)
+    torch.testing.assert_close(ei[1, eid], nodes[parent])
+
+
+def test_sampler_large_degree_path_and_reproducibility():
+    # a hub with 1000 in-neighbours exercises the with-replacement-and-redraw path (deg > 8 * fanout)
+    n = 1001
+    ei = torch.stack([torch.arange(1, n), torch.zeros(n - 1, dtype=torch.long)])
+    csr = G.build_csr(ei, n)
+    nodes = torch.zeros(50, dtype=torch.long)
+    a = G.sample_neighbors(csr, nodes, 10, torch.Generator().manual_seed(7))
+    b = G.sample_neighbors(csr, nodes, 10, torch.Generator().manual_seed(7))
+    c = G.sample_neighbors(csr, nodes, 10, torch.Generator().manual_seed(8))
+    for t1, t2 in zip(a, b):
+        assert torch.equal(t1, t2)
+    assert not torch.equal(a[0], c[0])
+    per_row = a[0].reshape(50, 10)
+    assert all(len(set(r.tolist())) == 10 for r in per_row)
+    # uniform: over 50 x 10 draws every neighbour is equally likely (mean id ~ 500)
+    assert 400 < per_row.float().mean() < 600
+
+
+def test_node_task_trees_virtual_root_form():
+    x, ei = _star_and_path()
+    trees = G.build_task_trees(x, ei, "node", torch.tensor([0, 22, 23]), [10, 10],
+                               generator=torch.Generator().manual_seed(0))
+    assert torch.equal(trees.roots, torch.tensor([0, 1, 2]))
+    assert torch.equal(trees.node_id[:3], torch.tensor([-1, -1, -1]))
+    assert torch.all(trees.x[:3] == 0)  # virtual roots carry all-zero features
+    assert trees.depth.max() == 2  # the virtual node spends one hop
+    # depth 1 = the task nodes, one per tree
+    d1 = trees.depth == 1
+    assert torch.equal(trees.node_id[d1], torch.tensor([0, 22, 23]))
+    assert torch.equal(trees.tree[d1], torch.tensor([0, 1, 2]))
+    # depth 2: 10 of node 0's 20 neighbours, node 22's single neighbour 21, nothing for isolated 23
+    d2 = trees.depth == 2
+    assert (trees.tree[d2] == 0).sum() == 10 and (trees.tree[d2] == 1).sum() == 1 and (trees.tree[d2] == 2).sum() == 0
+    assert set(trees.node_id[d2 & (trees.tree == 0)].tolist()) <= set(range(1, 21))
+    # every tree edge goes child -> parent, one level up, inside one tree
+    c, p = trees.edge_index
+    assert torch.all(trees.depth[c] == trees.depth[p] + 1) and torch.equal(trees.tree[c], trees.tree[p])
+    assert torch.equal(torch.bincount(c, minlength=len(trees.node_id))[3:], torch.ones(len(trees.node_id) - 3, dtype=torch.long))
+    torch.testing.assert_close(trees.x[3:], x[trees.node_id[3:]])
+
+
+def test_edge_and_graph_task_trees():
+    x, ei = _star_and_path()
+    pairs = torch.tensor([[0, 20], [1, 21]])  # (0, 1) and (20, 21)
+    t = G.build_task_trees(x, ei, "edge", pairs, [5, 3], generator=torch.Generator().manual_seed(1))
+    d1 = t.depth == 1
+    assert t.node_id[d1].tolist() == [0, 1, 20, 21] and t.tree[d1].tolist() == [0, 0, 1, 1]
+    d2 = t.depth == 2
+    children = torch.bincount(t.edge_index[1][d2[t.edge_index[0]]], minlength=len(t.node_id))
+    assert children[d1].tolist() == [3, 1, 2, 2]  # min(degree, 3) for nodes 0, 1, 20, 21
+    # fine-tuning form: no virtual node, the endpoints are the roots (2, B)
+    f = G.build_task_trees(x, ei, "edge", pairs, [-1], virtual_root=False)
+    assert f.roots.shape == (2, 2) and f.node_id[f.roots[0]].tolist() == [0, 20] and f.node_id[f.roots[1]].tolist() == [1, 21]
+    assert f.depth.max() == 1 and (f.depth == 1).sum() == 20 + 1 + 2 + 2
+    # graph tasks: graphs as a batch with ptr; fan-out 2 of the graph's nodes under the root
+    ptr = torch.tensor([0, 5, 8, 24])
+    g = G.build_task_trees(x, ei, "graph", torch.tensor([1, 0]), [2, 1], ptr=ptr, generator=torch.Generator().manual_seed(0))
+    d1 = g.depth == 1
+    ids, tree = g.node_id[d1], g.tree[d1]
+    assert tree.tolist() == [0, 0, 1, 1]
+    assert set(ids[:2].tolist()) <= {5, 6, 7} and set(ids[2:].tolist()) <= set(range(5))
+    with pytest.raises(G.GraphError, match="virtual root"):
+        G.build_task_trees(x, ei, "graph", torch.tensor([0]), [2], ptr=ptr, virtual_root=False)
+
+
+def test_task_trees_reproducible_with_seed_and_edge_attr_follow_edges():
+    x, ei = _star_and_path()
+    attr = torch.arange(ei.shape[1], dtype=torch.float32).unsqueeze(1)
+    make = lambda s: G.build_task_trees(x, ei, "node", torch.tensor([0, 0, 21]), [3, 4], edge_attr=attr,
+                                        generator=torch.Generator().manual_seed(s))
+    a, b, c = make(3), make(3), make(4)
+    assert torch.equal(a.node_id, b.node_id) and torch.equal(a.edge_index, b.edge_index)
+    assert not torch.equal(a.node_id, c.node_id)
+    # edge_attr of each tree edge below depth 1 is the attr of the graph edge child -> parent
+    child, parent = a.edge_index
+    real = a.depth[parent] >= 1
+    eids = a.edge_attr[real, 0].long()
+    assert torch.equal(ei[0, eids], a.node_id[child[real]]) and torch.equal(ei[1, eids], a.node_id[parent[real]])
+    assert torch.all(a.edge_attr[~real] == 0)
+
+
+def test_tree_gnn_with_all_neighbours_equals_full_graph():
+    from domainfm.models.git import GIT
+
+    torch.manual_seed(0)
+    x = torch.randn(30, 8)
+    ei = torch.randint(0, 30, (2, 90))
+    model = GIT(8, 8, 2, dropout=0.0).eval()
+    full = model.task_embedding(model.forward_features(x, ei), "node", torch.tensor([3, 7, 11]))
+    t = G.build_task_trees(x, ei, "node", torch.tensor([3, 7, 11]), [-1, -1], virtual_root=False)
+    tree = model.task_embedding(model.forward_features(t.x, t.edge_index), "node", t.roots)
+    torch.testing.assert_close(tree, full, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_graphs_give_clear_errors():
+    x = torch.randn(4, 3)
+    with pytest.raises(G.GraphError, match="node id 9, outside \\[0, 4\\)"):
+        G.check_graph(x, torch.tensor([[0, 9], [1, 2]]), name="g1")
+    with pytest.raises(G.GraphError, match="node id -1"):
+        G.check_graph(x, torch.tensor([[0, -1], [1, 2]]))
+    with pytest.raises(G.GraphError, match="empty"):
+        G.check_graph(torch.zeros(0, 3), torch.zeros(2, 0, dtype=torch.long), name="g2")
+    with pytest.raises(G.GraphError, match="3 columns but .* expect 5"):
+        G.check_graph(x, torch.tensor([[0], [1]]), feature_dim=5)
+    with pytest.raises(G.GraphError, match="shape \\(2, num_edges\\)"):
+        G.check_graph(x, torch.tensor([0, 1, 2]))
+    with pytest.raises(G.GraphError, match="NaN"):
+        G.check_graph(torch.tensor([[float("nan")]]), torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(G.GraphError, match="fan-out"):
+        G.build_task_trees(x, torch.tensor([[0], [1]]), "node", torch.tensor([0]), [0])
+    with pytest.raises(G.GraphError, match="outside"):
+        G.build_task_trees(x, torch.tensor([[0], [1]]), "node", torch.tensor([7]), [2])
+    with pytest.raises(G.GraphError, match="graph 1 has no nodes"):
+        G.build_task_trees(x, torch.tensor([[0], [1]]), "graph", torch.tensor([1]), [2], ptr=torch.tensor([0, 4, 4]))
+    # isolated nodes are allowed: a tree with no children
+    t = G.build_task_trees(x, torch.tensor([[0], [1]]), "node", torch.tensor([3]), [2, 2])
+    assert t.node_id.tolist() == [-1, 3] and t.edge_index.tolist() == [[1], [0]]
+
+
+def test_hashing_encoder_and_cache(tmp_path):
+    enc = G.HashingTextEncoder(64)
+    a = enc.encode(["a carbon atom", "a carbon atom", "an oxygen atom"])
+    assert a.shape == (3, 64) and torch.equal(a[0], a[1])
+    torch.testing.assert_close(a.norm(dim=1), torch.ones(3))
+    assert (a[0] @ a[2]) < 0.99
+    calls = []
+
+    class Counting:
+        name, dim = "counting", 2
+
+        def encode(self, texts):
+            calls.append(list(texts))
+            return torch.tensor([[len(t), 1.0] for t in texts])
+
+    cached = G.CachedTextEncoder(Counting(), tmp_path)
+    out = cached.encode(["ab", "abc", "ab"])
+    assert out.tolist() == [[2, 1], [3, 1], [2, 1]]
+    assert G.CachedTextEncoder(Counting(), tmp_path).encode(["abc"]).tolist() == [[3, 1]]
+    assert [sorted(c) for c in calls] == [["ab", "abc"]]  # the second encoder read the cache file
+
+
+def test_shipped_graphs_load_with_shipped_embeddings_only(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # prove the core path does not need it
+    enc = G.text_encoder("minilm")
+    karate = G.load_karate(enc)
+    assert karate.x.shape == (34, 384) and karate.edge_index.shape == (2, 156)
+    assert karate.y.bincount().tolist() == [17, 17] and karate.num_classes == 2
+    assert sum(v.numel() for v in karate.splits.values()) == 34
+    nations = G.load_nations(enc)
+    assert nations.task_index.shape == (2, 1992) and nations.num_classes == 55 and nations.splits["test"].numel() == 201
+    mutag = G.load_mutag(enc)
+    assert mutag.ptr.numel() == 189 and mutag.x.shape == (3371, 384) and mutag.y.bincount().tolist() == [63, 125]
+    assert mutag.edge_attr.shape == (7442, 384)
+    x, ei, batch, _ = mutag.graphs(torch.tensor([2, 0]))
+    n2, n0 = int(mutag.ptr[3] - mutag.ptr[2]), int(mutag.ptr[1] - mutag.ptr[0])
+    assert batch.bincount().tolist() == [n2, n0] and x.shape[0] == n2 + n0
+    G.check_graph(x, ei)
+    # MiniLM embeddings: the mutagenic class text is closer to "mutagenic" wording than the karate text
+    with pytest.raises(ImportError, match="domainfm\\[text\\]"):
+        enc.encode(["a text that was never shipped"])
+
+
+def test_graph_dir_npz_roundtrip_and_errors(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "toy.npz", x=rng.normal(size=(6, 4)).astype(np.float32),
+             edge_index=np.array([[0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]), task=np.array("node"),
+             y=np.array([0, 1, 0, 1, 0, 1]), task_index=np.arange(6), class_emb=np.eye(2, 4, dtype=np.float32))
+    (ds,) = G.load_graph_dir(tmp_path)
+    assert ds.name == "toy" and ds.task == "node" and ds.num_classes == 2 and ds.csr.num_nodes == 6
+    np.savez(tmp_path / "bad.npz", x=np.zeros((3, 4), np.float32), edge_index=np.array([[0], [5]]),
+             task=np.array("node"), y=np.zeros(3, int), task_index=np.arange(3), class_emb=np.eye(2, 4))
+    with pytest.raises(G.GraphError, match="bad: edge_index contains node id 5"):
+        G.load_graph_dir(tmp_path / "bad.npz")
+    np.savez(tmp_path / "missing.npz", x=np.zeros((3, 4), np.float32))
+    with pytest.raises(G.GraphError, match="missing key"):
+        G.load_graph_dir(tmp_path / "missing.npz")

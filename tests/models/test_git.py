@@ -1,0 +1,148 @@
+"""GIT model: reference SAGE computation, official converter, task embeddings, bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import domainfm
+from domainfm.hub import load_pretrained
+from domainfm.models.git import GIT, convert_official_state_dict
+
+
+def _graph(n=9, f=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, f, generator=g, dtype=torch.float64)
+    edge_index = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 1, 2, 0, 7], [1, 2, 3, 4, 5, 6, 0, 0, 0, 3, 3]])
+    return x, edge_index  # node 8 is isolated
+
+
+def _reference_encoder(sd, x, edge_index, num_layers, edge_attr=None, eps=1e-5):
+    """Plain dense computation of the official encoder in eval mode: for each layer,
+    h_i = W_l mean_{j->i} m_j + b_l + W_r h_i (m_j = h_j, or relu(h_j + e_ji)), then ReLU, then BN."""
+    h = x
+    n = x.shape[0]
+    for i in range(num_layers):
+        agg = torch.zeros(n, h.shape[1], dtype=h.dtype)
+        count = torch.zeros(n, dtype=h.dtype)
+        for e in range(edge_index.shape[1]):
+            src, dst = int(edge_index[0, e]), int(edge_index[1, e])
+            msg = h[src] if edge_attr is None else torch.relu(h[src] + edge_attr[e])
+            agg[dst] += msg
+            count[dst] += 1
+        agg = agg / count.clamp(min=1).unsqueeze(1)
+        out = agg @ sd[f"layers.{i}.lin_l.weight"].T + sd[f"layers.{i}.lin_l.bias"] + h @ sd[f"layers.{i}.lin_r.weight"].T
+        out = torch.relu(out)
+        mean, var = sd[f"norms.{i}.running_mean"], sd[f"norms.{i}.running_var"]
+        out = (out - mean) / torch.sqrt(var + eps) * sd[f"norms.{i}.weight"] + sd[f"norms.{i}.bias"]
+        h = out
+    return h
+
+
+def _official_state_dict(f=16, hidden=16, num_layers=2, seed=1, wrap=False):
+    """A state_dict in the official key layout (incl. the unused extra norm), random values."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    dims = [f] + [hidden] * num_layers
+    for i in range(num_layers):
+        sd[f"layers.{i}.lin_l.weight"] = torch.randn(dims[i + 1], dims[i], generator=g) * 0.3
+        sd[f"layers.{i}.lin_l.bias"] = torch.randn(dims[i + 1], generator=g)
+        sd[f"layers.{i}.lin_r.weight"] = torch.randn(dims[i + 1], dims[i], generator=g) * 0.3
+    for i in range(num_layers + 1):
+        sd[f"norms.{i}.weight"] = torch.rand(hidden, generator=g) + 0.5
+        sd[f"norms.{i}.bias"] = torch.randn(hidden, generator=g)
+        sd[f"norms.{i}.running_mean"] = torch.randn(hidden, generator=g)
+        sd[f"norms.{i}.running_var"] = torch.rand(hidden, generator=g) + 0.5
+        sd[f"norms.{i}.num_batches_tracked"] = torch.tensor(7)
+    sd["pooling_lin.weight"] = torch.randn(hidden, hidden, generator=g) * 0.3
+    sd["pooling_lin.bias"] = torch.randn(hidden, generator=g)
+    if wrap:  # a fine-tuned TaskModel: encoder.* + decoder.*
+        sd = {f"encoder.{k}": v for k, v in sd.items()}
+        sd["decoder.weight"] = torch.randn(3, hidden, generator=g)
+        sd["decoder.bias"] = torch.randn(3, generator=g)
+    return sd
+
+
+def test_official_checkpoint_loads_and_matches_reference_sage(tmp_path):
+    sd = _official_state_dict()
+    path = tmp_path / "encoder_10.pt"
+    torch.save(sd, path)
+    model = domainfm.create_model("git-test", n_outputs=0)
+    report = load_pretrained(model, str(path), converter="official")
+    assert report.missing == [] and report.unexpected == []
+    model = model.double().eval()
+    x, edge_index = _graph()
+    z = model.forward_features(x, edge_index)
+    ref = _reference_encoder({k: v.double() for k, v in sd.items()}, x, edge_index, 2)
+    torch.testing.assert_close(z, ref, rtol=0, atol=1e-5)
+    # isolated node 8 aggregates nothing: its first layer is lin_l.bias + lin_r(x)
+    # root embeddings go through pooling_lin
+    emb = model.task_embedding(z, "edge", torch.tensor([[0, 2], [1, 3]]))
+    expected = ((ref[[0, 2]] + ref[[1, 3]]) / 2) @ sd["pooling_lin.weight"].double().T + sd["pooling_lin.bias"].double()
+    torch.testing.assert_close(emb, expected, rtol=0, atol=1e-5)
+
+
+def test_reference_with_edge_features_and_taskmodel_checkpoint():
+    sd = _official_state_dict(wrap=True)
+    model = GIT(16, 16, 2, n_outputs=3, dropout=0.0)
+    converted = convert_official_state_dict(sd, model)
+    assert "norms.2.weight" not in converted and "head.weight" in converted
+    model.load_state_dict(converted, strict=True)
+    model = model.double().eval()
+    x, edge_index = _graph(seed=3)
+    edge_attr = torch.randn(edge_index.shape[1], 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    z = model.forward_features(x, edge_index, edge_attr)
+    plain = {k[len("encoder."):]: v.double() for k, v in sd.items() if k.startswith("encoder.")}
+    torch.testing.assert_close(z, _reference_encoder(plain, x, edge_index, 2, edge_attr), rtol=0, atol=1e-5)
+    logits = model(x, edge_index, edge_attr, task="node", index=torch.tensor([4]))
+    pooled = z[4] @ plain["pooling_lin.weight"].T + plain["pooling_lin.bias"]
+    torch.testing.assert_close(logits[0], pooled @ sd["decoder.weight"].double().T + sd["decoder.bias"].double())
+
+
+def test_task_embeddings_node_edge_graph_and_virtual_root():
+    torch.manual_seed(0)
+    model = GIT(8, 8, 1, dropout=0.0, norm="none").eval()
+    z = torch.randn(6, 8)
+    lin = model.pooling_lin
+    torch.testing.assert_close(model.task_embedding(z, "node", torch.tensor([2, 5])), lin(z[[2, 5]]))
+    batch = torch.tensor([0, 0, 1, 1, 1, 2])
+    expected = lin(torch.stack([z[:2].mean(0), z[2:5].mean(0), z[5]]))
+    torch.testing.assert_close(model.task_embedding(z, "graph", batch), expected)
+    # roots 0 and 3; children of 0 are 1, 2; of 3 is 4; 5 -> 1 is not into a root
+    edge_index = torch.tensor([[1, 2, 4, 5], [0, 0, 3, 1]])
+    out = model.virtual_root_embedding(z, edge_index, torch.tensor([0, 3]))
+    torch.testing.assert_close(out, lin(torch.stack([(z[1] + z[2]) / 2, z[4]])))
+
+
+def test_gat_backbone_and_bad_inputs():
+    model = GIT(16, 16, 2, backbone="gat", n_outputs=2)
+    x, edge_index = _graph()
+    out = model(x.float(), edge_index)
+    assert out.shape == (9, 2)
+    out.sum().backward()
+    assert model.layers[0].lin.weight.grad is not None
+    with pytest.raises(ValueError, match="divisible"):
+        GIT(16, 10, backbone="gat")
+    with pytest.raises(ValueError, match="backbone"):
+        GIT(16, 16, backbone="gcn")
+    sage = GIT(16, 16)
+    with pytest.raises(ValueError, match=r"\(N, 16\)"):
+        sage.forward_features(torch.randn(5, 12), edge_index)
+    with pytest.raises(ValueError, match="outside"):
+        sage.forward_features(torch.randn(5, 16), torch.tensor([[0, 7], [1, 2]]))
+    with pytest.raises(ValueError, match="edge_attr has 4 features"):
+        sage.forward_features(torch.randn(5, 16), torch.tensor([[0], [1]]), torch.randn(1, 4))
+    with pytest.raises(ValueError, match="task="):
+        sage.task_embedding(torch.randn(3, 16), "subgraph", None)
+
+
+def test_registered_variants_and_head_reset():
+    assert {"git-base", "git-small", "git-test"} <= set(domainfm.list_models("git-*"))
+    info = domainfm.model_info("git-base")
+    # 2 x (768*768*2 + 768) + BN 2 x 2*768 + pooling_lin 768*768 + 768
+    assert info["num_params"] == 2 * (2 * 768 * 768 + 768) + 2 * 2 * 768 + 768 * 768 + 768
+    model = domainfm.create_model("git-test")
+    x, edge_index = domainfm.zoo.get_card("git-test").example_input()
+    assert model(x, edge_index).shape == (12, 3)
+    model.reset_classifier(0)
+    assert model(x, edge_index).shape == (12, 16)
