@@ -1,0 +1,229 @@
+"""CBraMod speed and memory: this implementation vs an official-style one, on this machine.
+
+Prints training-step and inference throughput (samples/s) and peak memory at the paper's
+pretraining shape (19 channels x 30 one-second patches, batch 8), in fp32 and under bf16
+autocast, for ``domainfm``'s CBraMod (SDPA on plain Linear projections) and for a faithful
+re-statement of the official code's forward (``nn.MultiheadAttention`` per branch, the same
+``.contiguous().view`` layout), with identical weights. Training step = forward of the
+reconstruction objective on masked input + MSE on masked patches + backward + AdamW step.
+
+    python benchmarks/cbramod.py                      # all cases
+    python benchmarks/cbramod.py --reps 5 --threads 2 --precision fp32
+
+Both implementations run interleaved, rep by rep, so that load from other processes hits both
+alike; the median of the reps is reported. CPU peak memory is the peak RSS growth of a child
+process per case (``resource.getrusage``), GPU peak is ``torch.cuda.max_memory_allocated``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# ----------------------------------------------------------------------------- official-style
+
+
+class OfficialPatchEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.positional_encoding = nn.Sequential(nn.Conv2d(200, 200, (19, 7), (1, 1), (9, 3), groups=200))
+        self.mask_encoding = nn.Parameter(torch.zeros(200), requires_grad=False)
+        self.proj_in = nn.Sequential(
+            nn.Conv2d(1, 25, (1, 49), (1, 25), (0, 24)), nn.GroupNorm(5, 25), nn.GELU(),
+            nn.Conv2d(25, 25, (1, 3), (1, 1), (0, 1)), nn.GroupNorm(5, 25), nn.GELU(),
+            nn.Conv2d(25, 25, (1, 3), (1, 1), (0, 1)), nn.GroupNorm(5, 25), nn.GELU(),
+        )
+        self.spectral_proj = nn.Sequential(nn.Linear(101, 200), nn.Dropout(0.1))
+
+    def forward(self, x, mask=None):
+        bz, ch, pn, ps = x.shape
+        if mask is None:
+            mask_x = x
+        else:
+            mask_x = x.clone()
+            mask_x[mask == 1] = self.mask_encoding
+        mask_x = mask_x.contiguous().view(bz, 1, ch * pn, ps)
+        emb = self.proj_in(mask_x).permute(0, 2, 1, 3).contiguous().view(bz, ch, pn, 200)
+        spec = torch.abs(torch.fft.rfft(mask_x.contiguous().view(bz * ch * pn, ps), dim=-1, norm="forward"))
+        emb = emb + self.spectral_proj(spec.contiguous().view(bz, ch, pn, 101))
+        return emb + self.positional_encoding(emb.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
+
+class OfficialLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn_s = nn.MultiheadAttention(100, 4, dropout=0.1, batch_first=True)
+        self.self_attn_t = nn.MultiheadAttention(100, 4, dropout=0.1, batch_first=True)
+        self.linear1, self.linear2 = nn.Linear(200, 800), nn.Linear(800, 200)
+        self.norm1, self.norm2 = nn.LayerNorm(200), nn.LayerNorm(200)
+        self.dropout, self.dropout1, self.dropout2 = nn.Dropout(0.1), nn.Dropout(0.1), nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.norm1(x)
+        bz, ch, pn, d = h.shape
+        xs = h[:, :, :, : d // 2].transpose(1, 2).contiguous().view(bz * pn, ch, d // 2)
+        xt = h[:, :, :, d // 2 :].contiguous().view(bz * ch, pn, d // 2)
+        xs = self.self_attn_s(xs, xs, xs, need_weights=False)[0].contiguous().view(bz, pn, ch, d // 2).transpose(1, 2)
+        xt = self.self_attn_t(xt, xt, xt, need_weights=False)[0].contiguous().view(bz, ch, pn, d // 2)
+        x = x + self.dropout1(torch.concat((xs, xt), dim=3))
+        return x + self.dropout2(self.linear2(self.dropout(F.gelu(self.linear1(self.norm2(x))))))
+
+
+class OfficialCBraMod(nn.Module):
+    def __init__(self, n_layers=12):
+        super().__init__()
+        self.patch_embedding = OfficialPatchEmbedding()
+        self.layers = nn.ModuleList([OfficialLayer() for _ in range(n_layers)])
+        self.proj_out = nn.Sequential(nn.Linear(200, 200))
+
+    def forward_features(self, x):
+        b, c, t = x.shape
+        h = self.patch_embedding(x.view(b, c, t // 200, 200))
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+    def forward_reconstruction(self, x, mask):
+        b, c, t = x.shape
+        h = self.patch_embedding(x.view(b, c, t // 200, 200), mask)
+        for layer in self.layers:
+            h = layer(h)
+        return self.proj_out(h)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _build(impl: str, device: str):
+    torch.manual_seed(0)
+    if impl == "official":
+        return OfficialCBraMod().to(device)
+    from domainfm.models.cbramod import CBraMod
+
+    return CBraMod().to(device)
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _runner(impl, mode, precision, batch, device):
+    model = _build(impl, device)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(batch, 19, 30 * 200, generator=g).to(device)
+    mask = (torch.rand(batch, 19, 30, generator=g) < 0.5).to(device)
+    ctx = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if precision == "bf16" else (lambda: torch.autocast(device, enabled=False))
+    if mode == "infer":
+        model.eval()
+
+        def step():
+            with torch.no_grad(), ctx():
+                model.forward_features(x)
+    else:
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=5e-2)
+
+        def step():
+            with ctx():
+                rec = model.forward_reconstruction(x, mask)
+            loss = F.mse_loss(rec.float()[mask], x.view(batch, 19, 30, 200)[mask])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _timed(step, device, clock=time.perf_counter):
+    _sync(device)
+    t0 = clock()
+    step()
+    _sync(device)
+    return clock() - t0
+
+
+def _peak_child(impl, mode, precision, batch, device, threads, queue):
+    torch.set_num_threads(threads)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step = _runner(impl, mode, precision, batch, device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    for _ in range(2):
+        step()
+    if device == "cuda":
+        queue.put((torch.cuda.max_memory_allocated() - base) / 2**20)
+    else:
+        queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+
+
+def peak_memory_mb(impl, mode, precision, batch, device, threads):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_peak_child, args=(impl, mode, precision, batch, device, threads, queue))
+    proc.start()
+    value = queue.get()
+    proc.join()
+    return value
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--precision", choices=["fp32", "bf16", "all"], default="all")
+    parser.add_argument("--mode", choices=["train", "infer", "all"], default="all")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: process CPU time (for A/B comparisons with --threads 1 on a busy machine)")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    precisions = ["fp32", "bf16"] if args.precision == "all" else [args.precision]
+    modes = ["train", "infer"] if args.mode == "all" else [args.mode]
+    print(f"device={args.device} threads={args.threads} torch={torch.__version__} batch={args.batch} "
+          f"shape=19x30x200 reps={args.reps} (median)  loadavg={os.getloadavg()[0]:.2f}")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    results = []
+    for precision in precisions:
+        for mode in modes:
+            steps = {impl: _runner(impl, mode, precision, args.batch, args.device) for impl in ("domainfm", "official")}
+            times = {impl: [] for impl in steps}
+            for impl, step in steps.items():
+                for _ in range(args.warmup):
+                    step()
+            for _ in range(args.reps):
+                for impl, step in steps.items():
+                    times[impl].append(_timed(step, args.device, clock))
+            row = {"mode": mode, "precision": precision}
+            for impl in steps:
+                row[f"{impl}_samples_per_s"] = args.batch / statistics.median(times[impl])
+                if not args.no_memory:
+                    row[f"{impl}_peak_mb"] = peak_memory_mb(impl, mode, precision, args.batch, args.device, args.threads)
+            row["speedup"] = row["domainfm_samples_per_s"] / row["official_samples_per_s"]
+            results.append(row)
+            mem = "" if args.no_memory else (f"  peak MB ours {row['domainfm_peak_mb']:7.0f}  "
+                                            f"official {row['official_peak_mb']:7.0f}")
+            print(f"{mode:5s} {precision:4s}  samples/s ours {row['domainfm_samples_per_s']:7.2f}  "
+                  f"official {row['official_samples_per_s']:7.2f}  speedup {row['speedup']:.2f}x{mem}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,329 @@
+"""CBraMod: a criss-cross brain foundation model for EEG decoding.
+
+Wang et al., "CBraMod: A Criss-Cross Brain Foundation Model for EEG Decoding", ICLR 2025
+(https://arxiv.org/abs/2412.07236; official code github.com/wjq-learning/CBraMod, MIT).
+
+The EEG is cut into one-second patches (200 samples at 200 Hz, in units of 100 µV). Each patch is
+embedded by a small time-domain CNN plus a projection of its rFFT magnitude; an *asymmetric
+conditional positional encoding* (a depthwise (19, 7) convolution over the (channel, patch) grid)
+is added once; then ``n_layers`` pre-norm criss-cross transformer layers follow. In a criss-cross
+layer the ``d_model`` features of every patch are split in half: the first half attends across
+channels (one sequence of ``C`` channels per patch index: *spatial* attention), the second half
+across patches (one sequence of ``N`` patches per channel: *temporal* attention); the two
+outputs are concatenated. No final norm.
+
+.. math::
+    h &= \\mathrm{CNN}(x) + \\mathrm{Drop}(W_s\\,|\\mathrm{rFFT}(x)|/P) \\\\
+    h &\\leftarrow h + \\mathrm{DWConv}_{19\\times7}(h) \\\\
+    h &\\leftarrow h + \\mathrm{Drop}([\\mathrm{MHA}_s(\\mathrm{LN}(h)_{:d/2})\\,\\|\\,
+        \\mathrm{MHA}_t(\\mathrm{LN}(h)_{d/2:})]) \\\\
+    h &\\leftarrow h + \\mathrm{Drop}(W_2\\,\\mathrm{Drop}(\\mathrm{GELU}(W_1 \\mathrm{LN}(h))))
+
+This implementation computes attention with :func:`torch.nn.functional.scaled_dot_product_attention`
+on plain ``nn.Linear`` projections (``in_proj``/``out_proj``), so that LoRA can wrap them; the
+official checkpoint (``nn.MultiheadAttention``'s ``in_proj_weight``) loads through
+:func:`domainfm.models.cbramod.convert.convert_official_state_dict` and gives the official outputs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["CBraMod", "PatchEmbedding", "CrissCrossLayer", "SelfAttention", "ClassifierHead", "HEAD_TYPES"]
+
+#: classifier heads of the official fine-tuning code (``--classifier``)
+HEAD_TYPES = ("all_patch_reps", "avgpooling_patch_reps")
+
+
+class PatchEmbedding(nn.Module):
+    """Time-domain CNN + spectral projection of each patch, then the asymmetric conditional
+    positional encoding.
+
+    The CNN sees all ``C * N`` patches as the rows of one single-channel image, so each patch is
+    embedded independently: ``Conv(1->25, k=(1,49), s=(1,25))`` gives 25 maps of ``P/25`` values
+    per patch (the ``d_model = 25 * P/25`` features are ordered map-major), followed by two
+    ``Conv(25->25, k=(1,3))``; every conv is followed by ``GroupNorm(5, 25)`` and GELU.
+
+    Args:
+        patch_size: samples per patch ``P`` (200); also the embedding width.
+        dropout: dropout after the spectral projection (0.1).
+
+    **Shapes:** ``(B, C, N, P)`` (+ optional bool mask ``(B, C, N)``) -> ``(B, C, N, P)``.
+    """
+
+    def __init__(self, patch_size: int = 200, dropout: float = 0.1):
+        super().__init__()
+        if patch_size % 25:
+            raise ValueError(f"patch_size={patch_size}: the patch CNN has stride 25, so patch_size must be a multiple of 25")
+        self.patch_size = d_model = patch_size
+        # A constant, not a parameter: the official model keeps it at zero (requires_grad=False).
+        self.register_buffer("mask_encoding", torch.zeros(patch_size))
+        self.positional_encoding = nn.Sequential(
+            nn.Conv2d(d_model, d_model, kernel_size=(19, 7), stride=(1, 1), padding=(9, 3), groups=d_model),
+        )
+        self.proj_in = nn.Sequential(
+            nn.Conv2d(1, 25, kernel_size=(1, 49), stride=(1, 25), padding=(0, 24)),
+            nn.GroupNorm(5, 25),
+            nn.GELU(),
+            nn.Conv2d(25, 25, kernel_size=(1, 3), stride=(1, 1), padding=(0, 1)),
+            nn.GroupNorm(5, 25),
+            nn.GELU(),
+            nn.Conv2d(25, 25, kernel_size=(1, 3), stride=(1, 1), padding=(0, 1)),
+            nn.GroupNorm(5, 25),
+            nn.GELU(),
+        )
+        self.spectral_proj = nn.Sequential(nn.Linear(patch_size // 2 + 1, d_model), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, c, n, p = x.shape
+        if mask is not None:
+            # masked patches are replaced by the (fixed, zero) mask encoding before embedding
+            x = torch.where(mask.unsqueeze(-1), self.mask_encoding.to(x.dtype), x)
+        emb = self.proj_in(x.reshape(b, 1, c * n, p))  # (B, 25, C*N, P/25)
+        emb = emb.permute(0, 2, 1, 3).reshape(b, c, n, p)
+        # rFFT at least in fp32: a half-precision FFT would lose the small high-frequency bins
+        spectrum = torch.fft.rfft(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1, norm="forward").abs()
+        if not torch.is_autocast_enabled(x.device.type):
+            spectrum = spectrum.to(self.spectral_proj[0].weight.dtype)
+        emb = emb + self.spectral_proj(spectrum)
+        pos = self.positional_encoding(emb.permute(0, 3, 1, 2))  # (B, d, C, N)
+        return emb + pos.permute(0, 2, 3, 1)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with a fused ``in_proj`` (q, k, v rows, as in
+    ``nn.MultiheadAttention``) and ``out_proj``, computed with ``scaled_dot_product_attention``.
+
+    **Shapes:** ``(S, L, dim) -> (S, L, dim)`` (``S`` independent sequences of length ``L``).
+    """
+
+    def __init__(self, dim: int, n_heads: int, dropout: float = 0.1):
+        super().__init__()
+        if dim % n_heads:
+            raise ValueError(f"attention width {dim} is not divisible by its {n_heads} heads")
+        self.dim, self.n_heads, self.head_dim, self.dropout = dim, n_heads, dim // n_heads, dropout
+        self.in_proj = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+        # nn.MultiheadAttention's initialisation (the official model's, before its Linear re-init)
+        nn.init.xavier_uniform_(self.in_proj.weight)
+        nn.init.zeros_(self.in_proj.bias)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, length, _ = x.shape
+        qkv = self.in_proj(x).view(s, length, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], dropout_p=self.dropout if self.training else 0.0)
+        return self.out_proj(out.transpose(1, 2).reshape(s, length, self.dim))
+
+
+class CrissCrossLayer(nn.Module):
+    """One pre-norm criss-cross transformer layer (attribute names as in the official code).
+
+    **Shapes:** ``(B, C, N, d) -> (B, C, N, d)``.
+    """
+
+    def __init__(self, d_model: int = 200, n_heads: int = 8, dim_feedforward: int = 800, dropout: float = 0.1,
+                 layer_norm_eps: float = 1e-5):
+        super().__init__()
+        if d_model % 2 or n_heads % 2:
+            raise ValueError(f"d_model={d_model} and n_heads={n_heads} must both be even (half of each per branch)")
+        half = d_model // 2
+        self.half = half
+        self.self_attn_s = SelfAttention(half, n_heads // 2, dropout)
+        self.self_attn_t = SelfAttention(half, n_heads // 2, dropout)
+        self.linear1 = nn.Linear(d_model, dim_feedforward)
+        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout = nn.Dropout(dropout)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+
+    def _criss_cross(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, n, d = x.shape
+        h = self.half
+        # split (not two slices): its backward is one concatenation instead of two zero-filled copies
+        xs, xt = x.split(h, dim=-1)
+        # spatial: dims [0, d/2) of every patch index attend across the C channels
+        xs = self.self_attn_s(xs.transpose(1, 2).reshape(b * n, c, h)).view(b, n, c, h).transpose(1, 2)
+        # temporal: dims [d/2, d) of every channel attend across the N patches
+        xt = self.self_attn_t(xt.reshape(b * c, n, h)).view(b, c, n, h)
+        return torch.cat((xs, xt), dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout1(self._criss_cross(self.norm1(x)))
+        return x + self.dropout2(self.linear2(self.dropout(F.gelu(self.linear1(self.norm2(x))))))
+
+
+class CrissCrossEncoder(nn.Module):
+    """``n_layers`` criss-cross layers, no final norm (``encoder.layers.{i}`` as officially)."""
+
+    def __init__(self, n_layers: int, **layer_kwargs):
+        super().__init__()
+        self.layers = nn.ModuleList([CrissCrossLayer(**layer_kwargs) for _ in range(n_layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class ClassifierHead(nn.Module):
+    """The official fine-tuning heads on the ``(B, C, N, d)`` patch representations.
+
+    - ``all_patch_reps``: flatten ``C*N*d`` -> ``N*d`` -> ``d`` (each ELU + dropout) -> ``n_outputs``.
+    - ``avgpooling_patch_reps``: mean over channels and patches -> ``n_outputs``.
+
+    ``pre_logits`` holds everything before the last linear layer ``fc``.
+
+    **Shapes:** ``(B, C, N, d) -> (B, n_outputs)``.
+    """
+
+    def __init__(self, head_type: str, n_outputs: int, d_model: int, n_chans: int | None, n_patches: int | None,
+                 dropout: float = 0.1):
+        super().__init__()
+        if head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type={head_type!r}: expected one of {HEAD_TYPES}")
+        self.head_type, self.n_chans, self.n_patches = head_type, n_chans, n_patches
+        if head_type == "all_patch_reps":
+            if not n_chans or not n_patches:
+                raise ValueError(
+                    "head_type='all_patch_reps' flattens every patch representation, so it needs n_chans and "
+                    f"n_times (got n_chans={n_chans}, n_patches={n_patches}); pass them or use 'avgpooling_patch_reps'"
+                )
+            self.pre_logits = nn.Sequential(
+                nn.Flatten(1),
+                nn.Linear(n_chans * n_patches * d_model, n_patches * d_model), nn.ELU(), nn.Dropout(dropout),
+                nn.Linear(n_patches * d_model, d_model), nn.ELU(), nn.Dropout(dropout),
+            )
+        else:
+            self.pre_logits = nn.Identity()
+        self.fc = nn.Linear(d_model, n_outputs)
+
+    def forward(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.head_type == "all_patch_reps":
+            _, c, n, _ = features.shape
+            if (c, n) != (self.n_chans, self.n_patches):
+                raise ValueError(
+                    f"the all_patch_reps head was built for {self.n_chans} channels x {self.n_patches} patches, "
+                    f"got features of {c} x {n}; rebuild with matching n_chans/n_times"
+                )
+            pooled = self.pre_logits(features)
+        else:
+            pooled = features.mean(dim=(1, 2))
+        return pooled if pre_logits else self.fc(pooled)
+
+
+class CBraMod(nn.Module):
+    """CBraMod backbone with the zoo's model surface.
+
+    Args:
+        n_chans: EEG channels ``C`` (any number; needed only by the ``all_patch_reps`` head).
+        n_times: samples per example, a multiple of ``patch_size`` (needed only by that head).
+        sfreq: sampling rate; must be 200 Hz, the rate the model was pretrained at (resample in
+            the data loader).
+        n_outputs: classes / regression targets of the classifier ``head``; ``None`` (default):
+            no head (pretraining, feature extraction).
+        patch_size: samples per patch and embedding width (200).
+        n_layers: criss-cross layers (12).
+        n_heads: attention heads in total, half per branch (8).
+        dim_feedforward: FFN width (800).
+        dropout: dropout of the backbone (0.1).
+        head_type: ``"all_patch_reps"`` (default, the paper's) or ``"avgpooling_patch_reps"``.
+        head_dropout: dropout inside the ``all_patch_reps`` head (0.1).
+        reconstruction_head: keep ``proj_out`` (Linear d->P per patch) used by
+            :meth:`forward_reconstruction`; fine-tuning drops it, as the official code does.
+
+    Input units: the official model takes EEG in units of 100 µV (µV / 100); scaling is the data
+    loader's job (:mod:`domainfm.data_loaders.eeg`), not the model's.
+
+    **Shapes:** ``forward_features``: ``(B, C, T)`` with ``T = N * patch_size`` (or already
+    patched ``(B, C, N, patch_size)``) -> ``(B, C, N, d)``; ``forward``: -> ``(B, n_outputs)``;
+    ``forward_reconstruction``: ``(B, C, T)``, mask ``(B, C, N)`` -> ``(B, C, N, patch_size)``.
+    """
+
+    def __init__(self, n_chans: int | None = None, n_times: int | None = None, sfreq: float = 200.0,
+                 n_outputs: int | None = None, *, patch_size: int = 200, n_layers: int = 12, n_heads: int = 8,
+                 dim_feedforward: int = 800, dropout: float = 0.1, head_type: str = "all_patch_reps",
+                 head_dropout: float = 0.1, reconstruction_head: bool = True):
+        super().__init__()
+        if sfreq is not None and abs(float(sfreq) - 200.0) > 1e-6:
+            raise ValueError(f"sfreq={sfreq}: CBraMod works on 200 Hz EEG; resample in the data loader")
+        if n_times is not None and (n_times <= 0 or n_times % patch_size):
+            raise ValueError(f"n_times={n_times}: must be a positive multiple of patch_size={patch_size} samples")
+        if n_chans is not None and n_chans <= 0:
+            raise ValueError(f"n_chans={n_chans}: must be positive")
+        if n_outputs is not None and n_outputs <= 0:
+            raise ValueError(f"n_outputs={n_outputs}: must be positive (or None for no head)")
+        self.n_chans, self.n_times, self.sfreq, self.n_outputs = n_chans, n_times, float(sfreq), n_outputs
+        self.patch_size = patch_size
+        self.d_model = self.num_features = patch_size
+        self.head_type, self.head_dropout = head_type, head_dropout
+        self.patch_embedding = PatchEmbedding(patch_size, dropout)
+        self.encoder = CrissCrossEncoder(n_layers, d_model=patch_size, n_heads=n_heads,
+                                         dim_feedforward=dim_feedforward, dropout=dropout)
+        self.proj_out = nn.Sequential(nn.Linear(patch_size, patch_size)) if reconstruction_head else None
+        self.apply(_init_linear)
+        self.head = None
+        if n_outputs is not None:
+            self.reset_classifier(n_outputs)
+
+    # -- input ------------------------------------------------------------------------------
+
+    def patchify(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, T)`` -> ``(B, C, T / P, P)``; an already patched ``(B, C, N, P)`` passes."""
+        p = self.patch_size
+        if x.dim() == 4:
+            if x.shape[-1] != p:
+                raise ValueError(f"patched input must end in patch_size={p}, got shape {tuple(x.shape)}")
+            return x
+        if x.dim() != 3:
+            raise ValueError(f"expected EEG of shape (batch, n_chans, n_times), got {tuple(x.shape)}")
+        b, c, t = x.shape
+        if t == 0 or t % p:
+            raise ValueError(
+                f"n_times={t} is not a multiple of the {p}-sample patch (1 s at 200 Hz); crop or pad the windows"
+            )
+        return x.reshape(b, c, t // p, p)
+
+    # -- backbone ---------------------------------------------------------------------------
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Patch representations ``(B, C, N, d)`` of EEG ``(B, C, T)`` (units of 100 µV)."""
+        return self.encoder(self.patch_embedding(self.patchify(x)))
+
+    def forward_reconstruction(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Reconstructed patches ``(B, C, N, P)`` from EEG whose ``mask``-ed patches were replaced
+        by the mask encoding (``mask``: bool ``(B, C, N)``, True = masked)."""
+        if self.proj_out is None:
+            raise RuntimeError("this CBraMod was built with reconstruction_head=False (no proj_out)")
+        patches = self.patchify(x)
+        if mask.shape != patches.shape[:3]:
+            raise ValueError(f"mask shape {tuple(mask.shape)} does not match (B, C, N) = {tuple(patches.shape[:3])}")
+        return self.proj_out(self.encoder(self.patch_embedding(patches, mask.bool())))
+
+    # -- head -------------------------------------------------------------------------------
+
+    def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.head is None:
+            raise RuntimeError("this CBraMod has no classifier head (n_outputs=None); call reset_classifier(n)")
+        return self.head(features, pre_logits=pre_logits)
+
+    def reset_classifier(self, n_outputs: int, head_type: str | None = None) -> None:
+        """A fresh ``head`` with ``n_outputs`` outputs (of ``head_type``, default the current one)."""
+        if head_type is not None:
+            self.head_type = head_type
+        n_patches = self.n_times // self.patch_size if self.n_times else None
+        self.head = ClassifierHead(self.head_type, n_outputs, self.d_model, self.n_chans, n_patches, self.head_dropout)
+        self.head.apply(_init_linear)
+        self.n_outputs = n_outputs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _init_linear(module: nn.Module) -> None:
+    # the official `_weights_init`: Kaiming-normal (fan_out) on every Linear weight
+    if isinstance(module, nn.Linear):
+        nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
