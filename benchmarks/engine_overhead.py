@@ -76,11 +76,11 @@ def main():
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(args.batch_size * 40, 64, generator=g), torch.randint(0, 10, (args.batch_size * 40,), generator=g))
     bare, fabric = [], []
-    for r in range(args.repeats):  # interleaved so drift in machine load hits both alike
-        torch.manual_seed(r)
-        bare.append(bare_loop(make_model(args.width), data, args.steps, args.batch_size, 1e-3))
-        torch.manual_seed(r)
-        fabric.append(trainer_loop(make_model(args.width), data, args.steps, args.batch_size, 1e-3))
+    runners = [(bare, bare_loop), (fabric, trainer_loop)]
+    for r in range(args.repeats):  # interleaved, order alternating, so load drift hits both alike
+        for results, loop in runners if r % 2 == 0 else runners[::-1]:
+            torch.manual_seed(r)
+            results.append(loop(make_model(args.width), data, args.steps, args.batch_size, 1e-3))
     b, t = max(bare), max(fabric)
     print(f"MLP 64-{args.width}-{args.width}-10, batch {args.batch_size}, {args.steps} steps, {args.threads} thread(s)")
     print(f"bare loop : {b:8.1f} steps/s  (runs: {', '.join(f'{v:.1f}' for v in bare)})")
