@@ -305,6 +305,7 @@ def build_task_trees(
     csr: CSR | None = None,
     ptr: Tensor | None = None,
     virtual_root: bool = True,
+    shared: bool = False,
     edge_attr: Tensor | None = None,
     y: Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -323,6 +324,12 @@ def build_task_trees(
         csr: a prebuilt :func:`build_csr` of ``edge_index`` (reuse it across batches).
         ptr: (G+1,) node offsets of the graphs (graph tasks).
         virtual_root: the pretraining form (module docs) or the fine-tuning form.
+        shared: ``False``: unrolled trees, each occurrence of a node sampled on its own (exact
+            per-task trees; ``tree`` says which task owns each node). ``True``: the trees of a
+            batch share nodes, as PyG's ``NeighborLoader`` (and the official code) does: each graph
+            node appears once, is expanded once at the first level it is reached, and ``tree``
+            is -1 below the roots. Same computation per root with far fewer nodes when trees
+            overlap (large batches on one graph); only virtual roots stay one per task.
         edge_attr: (E, Fe) edge features, gathered onto the tree edges.
         y: optional (B,) labels, carried along.
         generator: a seeded ``torch.Generator`` for reproducible sampling.
@@ -355,68 +362,108 @@ def build_task_trees(
     if n_tasks == 0:
         raise GraphError("no tasks given (empty index)")
 
-    ids: list[Tensor] = []
-    depths: list[Tensor] = []
-    trees: list[Tensor] = []
-    src: list[Tensor] = []
-    dst: list[Tensor] = []
-    eids: list[Tensor] = []
+    forest = _Forest(shared)
     task_range = torch.arange(n_tasks)
     if virtual_root:
-        ids.append(torch.full((n_tasks,), -1, dtype=torch.long))
-        depths.append(torch.zeros(n_tasks, dtype=torch.long))
-        trees.append(task_range)
-        roots = task_range.clone()
+        roots = forest.add_virtual(n_tasks)
         members = _task_members(task, index, ptr)
         child, parent, eid = sample_neighbors(members, task_range, fanouts[0], generator)
-        frontier_ids, frontier_pos, frontier_tree = child, n_tasks + torch.arange(child.numel()), parent
-        src.append(frontier_pos)
-        dst.append(parent)  # the virtual roots sit at positions 0..B-1
-        eids.append(eid)
+        frontier = forest.attach(child, roots[parent], eid, depth=1, tree=parent)
         levels = fanouts[1:]
-        offset = n_tasks
+        depth = 1
     else:
         first = index.flatten() if task == "node" else index.t().reshape(-1)  # u0, v0, u1, v1, ...
-        frontier_ids = first
-        frontier_pos = torch.arange(first.numel())
-        frontier_tree = task_range if task == "node" else task_range.repeat_interleave(2)
-        roots = frontier_pos.clone() if task == "node" else frontier_pos.reshape(n_tasks, 2).t().contiguous()
+        owner = task_range if task == "node" else task_range.repeat_interleave(2)
+        first_pos = forest.add_roots(first, owner)
+        roots = first_pos if task == "node" else first_pos.reshape(n_tasks, 2).t().contiguous()
+        frontier = torch.unique(first_pos) if shared else first_pos
         levels = fanouts
-        offset = 0
-    depth = 1 if virtual_root else 0
-    ids.append(frontier_ids)
-    depths.append(torch.full((frontier_ids.numel(),), depth, dtype=torch.long))
-    trees.append(frontier_tree)
-    offset += frontier_ids.numel()
+        depth = 0
     for fanout in levels:
-        child, parent, eid = sample_neighbors(csr, frontier_ids, fanout, generator)
-        child_pos = offset + torch.arange(child.numel())
-        src.append(child_pos)
-        dst.append(frontier_pos[parent])
-        eids.append(eid)
         depth += 1
-        ids.append(child)
-        depths.append(torch.full((child.numel(),), depth, dtype=torch.long))
-        trees.append(frontier_tree[parent])
-        frontier_ids, frontier_pos, frontier_tree = child, child_pos, frontier_tree[parent]
-        offset += child.numel()
+        child, parent, eid = sample_neighbors(csr, forest.node_id[frontier], fanout, generator)
+        frontier = forest.attach(child, frontier[parent], eid, depth=depth, tree=forest.tree[frontier[parent]])
 
-    node_id = torch.cat(ids)
+    node_id = forest.node_id
     real = node_id >= 0
     feats = torch.zeros((node_id.numel(), x.shape[1]), dtype=x.dtype)
     feats[real] = x[node_id[real]]
-    tree_edges = torch.stack([torch.cat(src), torch.cat(dst)]) if src else torch.empty(2, 0, dtype=torch.long)
-    tree_eid = torch.cat(eids) if eids else torch.empty(0, dtype=torch.long)
+    tree_edges, tree_eid = forest.edges()
     tree_edge_attr = None
     if edge_attr is not None:
         tree_edge_attr = torch.zeros((tree_eid.numel(), edge_attr.shape[1]), dtype=edge_attr.dtype)
         has = tree_eid >= 0
         tree_edge_attr[has] = edge_attr[tree_eid[has]]
     return TaskTreeBatch(
-        x=feats, edge_index=tree_edges, node_id=node_id, depth=torch.cat(depths), tree=torch.cat(trees),
+        x=feats, edge_index=tree_edges, node_id=node_id, depth=forest.depth, tree=forest.tree,
         roots=roots, task=task, virtual_root=virtual_root, edge_attr=tree_edge_attr,
         y=None if y is None else torch.as_tensor(y),
     )
+
+
+class _Forest:
+    """Growing node/edge lists of a batch of task-trees (unrolled or with shared nodes)."""
+
+    def __init__(self, shared: bool):
+        self.shared = shared
+        self.node_id = torch.empty(0, dtype=torch.long)
+        self.depth = torch.empty(0, dtype=torch.long)
+        self.tree = torch.empty(0, dtype=torch.long)
+        self._src: list[Tensor] = []
+        self._dst: list[Tensor] = []
+        self._eid: list[Tensor] = []
+
+    def _append(self, ids: Tensor, depth: int, tree: Tensor) -> Tensor:
+        start = self.node_id.numel()
+        self.node_id = torch.cat([self.node_id, ids])
+        self.depth = torch.cat([self.depth, torch.full((ids.numel(),), depth, dtype=torch.long)])
+        self.tree = torch.cat([self.tree, tree])
+        return start + torch.arange(ids.numel())
+
+    def add_virtual(self, n: int) -> Tensor:
+        return self._append(torch.full((n,), -1, dtype=torch.long), 0, torch.arange(n))
+
+    def _lookup(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Positions of ``ids`` among the real nodes so far (-1 when absent); unique ids and inverse."""
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        real_pos = (self.node_id >= 0).nonzero().flatten()
+        pos = torch.full_like(uniq, -1)
+        if real_pos.numel():
+            known, order = torch.sort(self.node_id[real_pos])
+            where = torch.searchsorted(known, uniq).clamp(max=known.numel() - 1)
+            found = known[where] == uniq
+            pos[found] = real_pos[order[where[found]]]
+        return pos, uniq, inverse
+
+    def add_roots(self, ids: Tensor, owner: Tensor) -> Tensor:
+        if not self.shared:
+            return self._append(ids, 0, owner)
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        pos = self._append(uniq, 0, torch.full((uniq.numel(),), -1, dtype=torch.long))
+        if uniq.numel() == ids.numel():  # every root its own node: keep the owner
+            self.tree[pos[inverse]] = owner
+        return pos[inverse]
+
+    def attach(self, child_ids: Tensor, parent_pos: Tensor, eid: Tensor, *, depth: int, tree: Tensor) -> Tensor:
+        """Add sampled children under their parents; returns the positions to expand next."""
+        if not self.shared:
+            pos = self._append(child_ids, depth, tree)
+            child_pos, frontier = pos, pos
+        else:
+            known, uniq, inverse = self._lookup(child_ids)
+            new = known < 0
+            new_pos = self._append(uniq[new], depth, torch.full((int(new.sum()),), -1, dtype=torch.long))
+            known[new] = new_pos
+            child_pos, frontier = known[inverse], new_pos
+        self._src.append(child_pos)
+        self._dst.append(parent_pos)
+        self._eid.append(eid)
+        return frontier
+
+    def edges(self) -> tuple[Tensor, Tensor]:
+        if not self._src:
+            return torch.empty(2, 0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+        return torch.stack([torch.cat(self._src), torch.cat(self._dst)]), torch.cat(self._eid)
 
 
 # --------------------------------------------------------------------------- text features
@@ -985,3 +1032,92 @@ def write_embedding_table(encoder: TextEncoder, texts: Sequence[str], path: str 
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def merge_task_trees(parts: Sequence[TaskTreeBatch]) -> TaskTreeBatch:
+    """Concatenate task-tree batches of the same form into one (trees renumbered in order)."""
+    if not parts:
+        raise GraphError("merge_task_trees: nothing to merge")
+    if len({p.virtual_root for p in parts}) != 1:
+        raise GraphError("merge_task_trees: cannot mix virtual-root and fine-tuning forms")
+    if len(parts) == 1:
+        return parts[0]
+    node_off, tree_off = 0, 0
+    edges, roots, trees = [], [], []
+    for p in parts:
+        edges.append(p.edge_index + node_off)
+        roots.append(p.roots + node_off)
+        trees.append(torch.where(p.tree >= 0, p.tree + tree_off, p.tree))
+        node_off += p.x.shape[0]
+        tree_off += p.num_trees
+    has_attr = [p.edge_attr is not None for p in parts]
+    if any(has_attr) and not all(has_attr):
+        raise GraphError("merge_task_trees: some parts have edge_attr and others not")
+    tasks = {p.task for p in parts}
+    return TaskTreeBatch(
+        x=torch.cat([p.x for p in parts]), edge_index=torch.cat(edges, 1), node_id=torch.cat([p.node_id for p in parts]),
+        depth=torch.cat([p.depth for p in parts]), tree=torch.cat(trees), roots=torch.cat(roots, -1),
+        task=tasks.pop() if len(tasks) == 1 else "mixed", virtual_root=parts[0].virtual_root,
+        edge_attr=torch.cat([p.edge_attr for p in parts]) if all(has_attr) else None,
+        y=torch.cat([p.y for p in parts]) if all(p.y is not None for p in parts) else None,
+    )
+
+
+class PretrainTaskTable(torch.utils.data.Dataset):
+    """Every pretraining task of a mixture of graphs: item ``i`` is (dataset, task type, task).
+
+    Node tasks are the nodes, edge tasks the (directed) message-passing edges, graph tasks the
+    graphs of each dataset, for the task types asked for (``"own"``: the dataset's own task
+    type). :meth:`collate` turns a list of items into one virtual-root :class:`TaskTreeBatch`.
+    """
+
+    def __init__(self, datasets: Sequence[GraphDataset], task_types: Sequence[str] = ("own",),
+                 fanouts: Sequence[int] = (10, 10), generator: torch.Generator | None = None):
+        if not datasets:
+            raise GraphError("pretraining needs at least one graph dataset")
+        dims = {d.num_features for d in datasets}
+        if len(dims) != 1:
+            detail = ", ".join(f"{d.name}: {d.num_features}" for d in datasets)
+            raise GraphError(f"graphs have different feature widths ({detail}); encode them with one text encoder")
+        for t in task_types:
+            if t not in TASKS + ("own",):
+                raise GraphError(f"task type {t!r}: expected one of {TASKS + ('own',)}")
+        self.datasets, self.fanouts, self.generator = list(datasets), list(fanouts), generator
+        rows = []
+        for di, d in enumerate(self.datasets):
+            kinds = {d.task if t == "own" else t for t in task_types}
+            if "graph" in kinds and d.ptr is None:
+                kinds.discard("graph")  # a single graph has no graph-level tasks
+            for kind in sorted(kinds, key=TASKS.index):
+                count = {"node": d.x.shape[0], "edge": d.edge_index.shape[1],
+                         "graph": (d.ptr.numel() - 1) if d.ptr is not None else 0}[kind]
+                if count:
+                    rows.append(torch.stack([torch.full((count,), di), torch.full((count,), TASKS.index(kind)),
+                                             torch.arange(count)], 1))
+        if not rows:
+            raise GraphError("no pretraining tasks: the datasets have no nodes/edges/graphs for the task types asked")
+        self.items = torch.cat(rows)
+
+    def __len__(self) -> int:
+        return self.items.shape[0]
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for di, kind in torch.unique(self.items[:, :2], dim=0).tolist():
+            n = int(((self.items[:, 0] == di) & (self.items[:, 1] == kind)).sum())
+            out[f"{self.datasets[di].name}/{TASKS[kind]}"] = n
+        return out
+
+    def collate(self, batch: Sequence[int]) -> TaskTreeBatch:
+        items = self.items[torch.as_tensor(list(batch), dtype=torch.long)]
+        parts = []
+        for di, kind in torch.unique(items[:, :2], dim=0).tolist():
+            d, task = self.datasets[di], TASKS[kind]
+            pos = items[(items[:, 0] == di) & (items[:, 1] == kind), 2]
+            index = d.edge_index[:, pos] if task == "edge" else pos
+            parts.append(build_task_trees(d.x, None, task, index, self.fanouts, csr=d.csr, ptr=d.ptr,
+                                          virtual_root=True, shared=True, generator=self.generator))
+        return merge_task_trees(parts)

@@ -218,3 +218,44 @@ def test_graph_dir_npz_roundtrip_and_errors(tmp_path):
     np.savez(tmp_path / "missing.npz", x=np.zeros((3, 4), np.float32))
     with pytest.raises(G.GraphError, match="missing key"):
         G.load_graph_dir(tmp_path / "missing.npz")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_all_neighbour_trees_equal_full_graph_in_both_forms(shared):
+    from domainfm.models.git import GIT
+
+    torch.manual_seed(1)
+    x = torch.randn(25, 8)
+    ei = torch.randint(0, 25, (2, 70))
+    model = GIT(8, 8, 2, dropout=0.0).eval()
+    z = model.forward_features(x, ei)
+    pairs = torch.tensor([[3, 3, 9], [4, 9, 9]])
+    t = G.build_task_trees(x, ei, "edge", pairs, [-1, -1], virtual_root=False, shared=shared)
+    zt = model.forward_features(t.x, t.edge_index)
+    torch.testing.assert_close(model.task_embedding(zt, "edge", t.roots), model.task_embedding(z, "edge", pairs),
+                               rtol=1e-5, atol=1e-5)
+    # virtual-root form with all neighbours: the root is the mean over the task's nodes
+    v = G.build_task_trees(x, ei, "edge", pairs, [-1, -1, -1], virtual_root=True, shared=shared)
+    zv = model.forward_features(v.x, v.edge_index)
+    expected = model.pooling_lin((z[pairs[0]] + z[pairs[1]]) / 2)
+    torch.testing.assert_close(model.virtual_root_embedding(zv, v.edge_index, v.roots), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_trees_hold_each_node_once_and_respect_fanout():
+    torch.manual_seed(0)
+    n = 200
+    ei = torch.randint(0, n, (2, 2000))
+    x = torch.randn(n, 4)
+    t = G.build_task_trees(x, ei, "node", torch.randint(0, n, (64,)), [10, 5], shared=True,
+                           generator=torch.Generator().manual_seed(0))
+    real = t.node_id >= 0
+    assert t.node_id[real].unique().numel() == real.sum()  # every graph node at most once
+    assert (t.node_id == -1).sum() == 64 and t.depth.max() <= 2
+    child, parent = t.edge_index
+    fan_in = torch.bincount(parent, minlength=t.node_id.numel())
+    assert torch.all(fan_in[t.roots] == 1)  # a node task's root has its node as only child
+    assert fan_in[t.depth == 1].max() == 5  # fanouts[1] neighbours below each task node (degree ~10)
+    assert torch.all(fan_in[t.depth == 2] == 0)
+    assert torch.all(t.depth[child] <= t.depth[parent] + 1)
+    unrolled = G.build_task_trees(x, ei, "node", torch.randint(0, n, (64,)), [10, 5], shared=False)
+    assert t.node_id.numel() < unrolled.node_id.numel()
