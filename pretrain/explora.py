@@ -179,6 +179,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     #: write the merged backbone (``backbone/``, our format) and the adapter (``adapter/``)
     export: bool = True
+    #: also write the starting backbone (``init_backbone/``), for a like-for-like baseline
+    export_init: bool = False
 
     def __post_init__(self):
         if self.objective not in {"dino", "mae"}:
@@ -724,6 +726,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
         extra["dynamic_img_size"] = True
     backbone, init = build_backbone(cfg.model, extra_kwargs=extra)
     total_params = sum(p.numel() for p in backbone.parameters())
+    if cfg.export_init:
+        hub.save_pretrained(backbone, run_dir / "init_backbone")
     apply_adapter(backbone, cfg.adapter)
     backbone_trainable = lora.count_trainable(backbone)
 
