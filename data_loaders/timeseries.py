@@ -1,0 +1,277 @@
+"""Time series in, forecasting windows out.
+
+Series are GluonTS-style dicts: ``{"item_id": str, "start": pandas.Timestamp, "freq": str,
+"target": float64 array (NaN = missing)}`` (plus ``"dataset"`` when the source names one). Readers
+put every series on a regular grid of its frequency, so a missing timestamp becomes a NaN.
+
+* :func:`read_long` — long-format CSV / Parquet files or pandas DataFrames
+  (``item_id, timestamp, target``), with frequency inference per series.
+* :func:`from_gluonts` — a list of GluonTS-style dicts (``start`` + ``target``).
+* :func:`split_by_time` — hold out the last ``prediction_length`` steps (x ``n_windows``).
+* :class:`ForecastWindows` — random (context, future) windows for training, with missing-value
+  injection as in Chronos's training (each observation dropped with probability U(0, p)).
+* :func:`load_sample` — the public-domain series shipped in ``samples/timeseries``.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.utils.data import Dataset
+
+__all__ = [
+    "infer_freq",
+    "read_long",
+    "from_dataframe",
+    "from_gluonts",
+    "split_by_time",
+    "future_index",
+    "ForecastWindows",
+    "load_sample",
+    "left_pad",
+    "SAMPLES",
+]
+
+SAMPLES = ("statsmodels_series",)
+
+# coarsest first: the first alias whose grid holds every timestamp is the series' frequency
+_CANDIDATES = ("YS", "YE", "QS", "QE", "MS", "ME", "W", "D", "B", "h", "min", "s")
+
+
+def infer_freq(timestamps: Sequence | pd.DatetimeIndex, *, name: str = "timestamps") -> str:
+    """The pandas frequency alias of sorted, unique ``timestamps``, tolerating gaps.
+
+    ``pandas.infer_freq`` first (needs no gaps); otherwise the coarsest common alias (years,
+    quarters, months, weeks anchored on the first day, days, business days, hours, minutes,
+    seconds) whose regular grid from the first to the last timestamp contains them all.
+    """
+    index = pd.DatetimeIndex(timestamps)
+    if len(index) < 2:
+        raise ValueError(f"{name}: cannot infer a frequency from {len(index)} timestamp(s); pass freq=")
+    if len(index) >= 3:
+        freq = pd.infer_freq(index)
+        if freq is not None:
+            return freq
+    for alias in _CANDIDATES:
+        if alias == "W":
+            alias = "W-" + index[0].day_name()[:3].upper()
+        try:
+            grid = pd.date_range(index[0], index[-1], freq=alias)
+        except ValueError:
+            continue
+        if len(grid) <= 100 * len(index) and index.isin(grid).all():
+            return alias
+    raise ValueError(f"{name}: timestamps follow no regular frequency (first {list(index[:3])}); pass freq=")
+
+
+def _regularise(item: str, times: pd.DatetimeIndex, values: np.ndarray, freq: str | None, where: str) -> dict[str, Any]:
+    if times.has_duplicates:
+        dup = times[times.duplicated()][0]
+        raise ValueError(f"{where}: item {item!r} has more than one row at timestamp {dup}")
+    order = np.argsort(times.values, kind="stable")
+    times, values = times[order], values[order]
+    if freq is None:
+        freq = infer_freq(times, name=f"{where}: item {item!r}") if len(times) > 1 else None
+        if freq is None:
+            raise ValueError(f"{where}: item {item!r} has a single timestamp; pass freq= to place it")
+    grid = pd.date_range(times[0], times[-1], freq=freq)
+    if not times.isin(grid).all():
+        off = times[~times.isin(grid)][0]
+        raise ValueError(f"{where}: item {item!r}: timestamp {off} is not on the {freq!r} grid starting {times[0]}")
+    target = pd.Series(values, index=times).reindex(grid).to_numpy(dtype=np.float64)
+    return {"item_id": str(item), "start": grid[0], "freq": freq, "target": target}
+
+
+def from_dataframe(df: pd.DataFrame, *, item_id: str | None = "item_id", timestamp: str = "timestamp",
+                   target: str = "target", freq: str | None = None, dataset: str | None = "dataset",
+                   where: str = "DataFrame") -> list[dict[str, Any]]:
+    """Series from a long-format DataFrame (one row per item and timestamp).
+
+    ``item_id=None`` (or a missing item column) reads one series. A ``dataset`` column, when
+    present, is carried into each series (used to aggregate metrics per dataset).
+    """
+    missing = [c for c in (timestamp, target) if c not in df.columns]
+    if missing:
+        raise ValueError(f"{where}: missing column(s) {missing}; columns are {list(df.columns)} "
+                         "(set item_id=/timestamp=/target= to the names used)")
+    if item_id is not None and item_id not in df.columns:
+        raise ValueError(f"{where}: no item column {item_id!r} (columns {list(df.columns)}); pass item_id=None for one series")
+    try:
+        times = pd.to_datetime(df[timestamp])
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where}: column {timestamp!r} is not parseable as timestamps ({exc})") from None
+    values = pd.to_numeric(df[target], errors="coerce")
+    bad = values.isna() & df[target].notna()
+    if bad.any():
+        raise ValueError(f"{where}: column {target!r} has non-numeric value {df[target][bad].iloc[0]!r} "
+                         f"(row {int(np.flatnonzero(bad.to_numpy())[0])}); use an empty cell for a missing value")
+    if np.isinf(values.to_numpy(dtype=np.float64)).any():
+        raise ValueError(f"{where}: column {target!r} contains infinite values")
+    frame = pd.DataFrame({"t": times, "y": values.astype(np.float64)})
+    frame["item"] = df[item_id].astype(str).to_numpy() if item_id is not None else "series"
+    has_dataset = dataset is not None and dataset in df.columns
+    if has_dataset:
+        frame["dataset"] = df[dataset].astype(str).to_numpy()
+    series = []
+    for item, group in frame.groupby("item", sort=False):
+        s = _regularise(item, pd.DatetimeIndex(group["t"]), group["y"].to_numpy(), freq, where)
+        if has_dataset:
+            names = group["dataset"].unique()
+            if len(names) > 1:
+                raise ValueError(f"{where}: item {item!r} appears in several datasets {list(names)}")
+            s["dataset"] = names[0]
+        series.append(s)
+    if not series:
+        raise ValueError(f"{where}: no rows")
+    return series
+
+
+def read_long(source: str | os.PathLike | pd.DataFrame, **kwargs) -> list[dict[str, Any]]:
+    """Series from a long-format ``.csv`` / ``.parquet`` file or a DataFrame (see :func:`from_dataframe`)."""
+    if isinstance(source, pd.DataFrame):
+        return from_dataframe(source, **kwargs)
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"time series file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".txt", ".gz"):
+        df = pd.read_csv(path)
+    elif suffix in (".parquet", ".pq"):
+        try:
+            df = pd.read_parquet(path)
+        except ImportError as exc:
+            raise ImportError(f"{path}: reading Parquet needs pyarrow or fastparquet (pip install pyarrow)") from exc
+    else:
+        raise ValueError(f"{path}: unsupported file type {suffix!r}; expected .csv or .parquet in long format")
+    return from_dataframe(df, where=str(path), **kwargs)
+
+
+def from_gluonts(entries: Iterable[Mapping[str, Any]], *, freq: str | None = None) -> list[dict[str, Any]]:
+    """Series from GluonTS-style dicts with ``start`` (timestamp or period) and ``target``
+    (1-D); ``freq`` comes from the argument, the entry, or a pandas Period ``start``."""
+    series = []
+    for i, entry in enumerate(entries):
+        if "target" not in entry or "start" not in entry:
+            raise ValueError(f"entry {i}: needs 'start' and 'target' keys, has {sorted(entry)}")
+        target = np.asarray(entry["target"], dtype=np.float64)
+        if target.ndim != 1:
+            raise ValueError(f"entry {i}: target must be 1-D (univariate), got shape {target.shape}")
+        if np.isinf(target).any():
+            raise ValueError(f"entry {i}: target contains infinite values")
+        start = entry["start"]
+        f = freq or entry.get("freq") or (start.freqstr if isinstance(start, pd.Period) else None)
+        if f is None:
+            raise ValueError(f"entry {i}: no frequency (pass freq=, a 'freq' key, or a pandas Period start)")
+        start = start.to_timestamp() if isinstance(start, pd.Period) else pd.Timestamp(start)
+        s = {"item_id": str(entry.get("item_id", i)), "start": start, "freq": f, "target": target}
+        if "dataset" in entry:
+            s["dataset"] = str(entry["dataset"])
+        series.append(s)
+    return series
+
+
+def split_by_time(series: Sequence[Mapping[str, Any]], prediction_length: int, *, n_windows: int = 1,
+                  min_context: int = 1) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Hold out the end of every series.
+
+    Returns ``(train, test)``: ``train`` holds each series without its last
+    ``n_windows * prediction_length`` steps; ``test`` holds one entry per series and window with
+    ``context`` (everything before the window) and ``future`` (the window's values).
+    """
+    if prediction_length < 1 or n_windows < 1:
+        raise ValueError(f"prediction_length={prediction_length} and n_windows={n_windows} must be >= 1")
+    train, test = [], []
+    for s in series:
+        target = np.asarray(s["target"], dtype=np.float64)
+        cut = len(target) - n_windows * prediction_length
+        if cut < min_context:
+            raise ValueError(f"series {s.get('item_id')!r}: length {len(target)} leaves fewer than {min_context} context "
+                             f"value(s) before {n_windows} window(s) of {prediction_length}")
+        train.append({**s, "target": target[:cut]})
+        for w in range(n_windows):
+            end = cut + (w + 1) * prediction_length
+            test.append({**s, "context": target[: end - prediction_length], "future": target[end - prediction_length : end],
+                         "window": w})
+    return train, test
+
+
+def future_index(series: Mapping[str, Any], horizon: int) -> pd.DatetimeIndex:
+    """Timestamps of the ``horizon`` steps after the end of ``series``."""
+    last = pd.date_range(series["start"], periods=len(series["target"]), freq=series["freq"])[-1]
+    return pd.date_range(last, periods=horizon + 1, freq=series["freq"])[1:]
+
+
+def left_pad(values: np.ndarray, length: int) -> np.ndarray:
+    """The last ``length`` values, left-padded with NaN."""
+    values = np.asarray(values, dtype=np.float32)[-length:]
+    out = np.full(length, np.nan, dtype=np.float32)
+    if len(values):
+        out[length - len(values) :] = values
+    return out
+
+
+class ForecastWindows(Dataset):
+    """Random ``(context, future)`` windows drawn from a list of series, for training.
+
+    Each item picks a series (uniformly, or weighted by ``weights``), an end point with at least
+    ``min_past`` observed steps before the future window, and returns the context (the last
+    ``context_length`` steps, left-padded with NaN) and the future (``prediction_length`` steps).
+    With ``missing_prob > 0`` each context value is dropped to NaN with probability
+    ``U(0, missing_prob)`` (Chronos's ``drop_prob``). Draws use numpy's global generator, which the
+    engine seeds and restores on resume.
+
+    Args:
+        series: dicts with a ``"target"`` array (or plain 1-D arrays).
+        context_length, prediction_length: window sizes.
+        num_windows: the dataset's length (windows per epoch).
+        min_past: minimum context steps (default ``prediction_length``).
+
+    Shapes:
+        item: ``(context (context_length,), future (prediction_length,))`` float32 tensors.
+    """
+
+    def __init__(self, series: Sequence, context_length: int, prediction_length: int, *, num_windows: int = 1000,
+                 min_past: int | None = None, missing_prob: float = 0.0, weights: Sequence[float] | None = None):
+        self.targets = [np.asarray(s["target"] if isinstance(s, Mapping) else s, dtype=np.float32) for s in series]
+        self.context_length, self.prediction_length = int(context_length), int(prediction_length)
+        self.min_past = self.prediction_length if min_past is None else int(min_past)
+        if not 0 <= missing_prob < 1:
+            raise ValueError(f"missing_prob={missing_prob}: expected a probability in [0, 1)")
+        self.missing_prob = missing_prob
+        need = self.min_past + self.prediction_length
+        keep = [i for i, t in enumerate(self.targets) if len(t) >= need]
+        if not keep:
+            raise ValueError(f"no series is long enough for min_past={self.min_past} + prediction_length={self.prediction_length}")
+        self.usable = keep
+        w = np.ones(len(keep)) if weights is None else np.asarray(weights, dtype=np.float64)[keep]
+        if (w < 0).any() or w.sum() <= 0:
+            raise ValueError("weights must be non-negative with a positive sum")
+        self.p = w / w.sum()
+        self.num_windows = int(num_windows)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, index: int):
+        target = self.targets[self.usable[np.random.choice(len(self.usable), p=self.p)]]
+        end = np.random.randint(self.min_past + self.prediction_length, len(target) + 1)
+        future = target[end - self.prediction_length : end]
+        context = left_pad(target[: end - self.prediction_length], self.context_length)
+        if self.missing_prob > 0:
+            drop = np.random.rand(self.context_length) < np.random.uniform(0, self.missing_prob)
+            context = np.where(drop, np.float32(np.nan), context)
+        return torch.from_numpy(context.copy()), torch.from_numpy(future.copy())
+
+
+def load_sample(name: str = "statsmodels_series") -> list[dict[str, Any]]:
+    """Series shipped with domainfm (see ``samples/timeseries/README.md``)."""
+    if name not in SAMPLES:
+        raise ValueError(f"unknown sample {name!r}; shipped: {list(SAMPLES)}")
+    path = importlib.resources.files("domainfm.data_loaders") / "samples" / "timeseries" / f"{name}.csv"
+    with importlib.resources.as_file(path) as p:
+        return read_long(p)
