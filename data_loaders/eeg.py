@@ -20,6 +20,7 @@ the windows its sampler hands it.
 from __future__ import annotations
 
 import fnmatch
+import importlib.resources
 import json
 import os
 import re
@@ -50,6 +51,9 @@ __all__ = [
     "WindowDataset",
     "write_shards",
     "ShardDataset",
+    "iter_files",
+    "resolve_root",
+    "samples_dir",
 ]
 
 
@@ -175,9 +179,10 @@ def bipolar_montage(raw, pairs: Sequence[Sequence[str]]):
 
 
 def preprocess(raw, *, sfreq: float | None = 200.0, l_freq: float | None = 0.3, h_freq: float | None = 75.0,
-               notch: Sequence[float] = (60.0,), reference: str | None = None):
-    """Band-pass, notch, (average) reference and resample, in CBraMod's order (official TUEG
-    pipeline: resample, then filter, then notch). Refuses a recording sampled below ``sfreq``."""
+               notch: Sequence[float] = (60.0,), reference: str | None = None, allow_upsample: bool = False):
+    """Resample, band-pass, notch and (average) reference, in CBraMod's order (official TUEG
+    pipeline: resample, then filter, then notch). A recording sampled below ``sfreq`` is refused
+    unless ``allow_upsample`` (the official PhysioNet-MI pipeline upsamples 160 -> 200 Hz)."""
     where = _where(raw)
     data = raw.get_data()
     if not np.isfinite(data).all():
@@ -185,10 +190,11 @@ def preprocess(raw, *, sfreq: float | None = 200.0, l_freq: float | None = 0.3, 
         raise EEGError(f"{where}: channel(s) {bad} contain NaN or inf samples; interpolate or drop them first")
     raw = raw.copy()
     if sfreq is not None:
-        if raw.info["sfreq"] + 1e-6 < sfreq:
+        if raw.info["sfreq"] + 1e-6 < sfreq and not allow_upsample:
             raise EEGError(
-                f"{where}: sampling rate {raw.info['sfreq']:g} Hz is below the target {sfreq:g} Hz; upsampling would "
-                "invent content the model never saw at that rate (use a recording sampled at >= the target)"
+                f"{where}: sampling rate {raw.info['sfreq']:g} Hz is below the target {sfreq:g} Hz; upsampling adds "
+                f"no content above {raw.info['sfreq'] / 2:g} Hz. Use a recording sampled at >= the target, or set "
+                "data.eeg.allow_upsample=true if intended (the official PhysioNet-MI pipeline upsamples 160 -> 200 Hz)"
             )
         if abs(raw.info["sfreq"] - sfreq) > 1e-6:
             raw.resample(sfreq, verbose="error")
@@ -302,6 +308,7 @@ class EEGSettings:
     min_duration_s: float | None = None
     trim_s: float = 0.0
     reject_uv: float | None = None
+    allow_upsample: bool = False
 
     def __post_init__(self):
         if self.channels is not None and self.bipolar is not None:
@@ -339,7 +346,7 @@ def load_windows(path: str | os.PathLike, settings: EEGSettings) -> tuple[np.nda
     if settings.min_duration_s is not None and duration < settings.min_duration_s:
         raise EEGError(f"{path}: recording too short: {duration:.1f} s, data.min_duration_s is {settings.min_duration_s:g} s")
     raw = preprocess(raw, sfreq=settings.sfreq, l_freq=settings.l_freq, h_freq=settings.h_freq,
-                     notch=settings.notch, reference=settings.reference)
+                     notch=settings.notch, reference=settings.reference, allow_upsample=settings.allow_upsample)
     if settings.events is not None:
         x, y = windows_from_annotations(raw, settings.events, window_s=settings.window_s, offset_s=settings.event_offset_s)
     else:
@@ -463,9 +470,24 @@ class ShardDataset(Dataset):
         return state
 
 
+SAMPLES_TOKEN = "@samples"
+
+
+def samples_dir() -> Path:
+    """The folder of the EEG recordings shipped with domainfm (see its README.md)."""
+    return Path(str(importlib.resources.files("domainfm.data_loaders") / "samples" / "eeg"))
+
+
+def resolve_root(root: str | os.PathLike | None) -> Path | None:
+    """``"@samples"`` -> :func:`samples_dir`; anything else as a path (``~`` expanded)."""
+    if root is None:
+        return None
+    return samples_dir() if str(root) == SAMPLES_TOKEN else Path(root).expanduser()
+
+
 def iter_files(root: str | os.PathLike, patterns: Sequence[str]) -> Iterator[Path]:
     """Files under ``root`` matching any glob in ``patterns`` (sorted, each once)."""
-    root = Path(root)
+    root = resolve_root(root)
     if not root.is_dir():
         raise EEGError(f"data.root={str(root)!r} is not a directory")
     seen = set()

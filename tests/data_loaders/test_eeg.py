@@ -97,6 +97,8 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
     slow = _write_edf(tmp_path / "slow.edf", _signal(sfreq=100.0), sfreq=100.0)
     with pytest.raises(EEGError, match=r"slow.edf: sampling rate 100 Hz is below the target 200 Hz"):
         eeg.load_windows(slow, EEGSettings(window_s=2.0))
+    x, _ = eeg.load_windows(slow, EEGSettings(window_s=2.0, allow_upsample=True, **NO_FILTER))
+    assert x.shape == (6, 3, 400)  # 12 s at 200 Hz after the explicit opt-in
     nan_data = data * 1e-6
     nan_data[1, 50] = np.nan
     nan_raw = mne.io.RawArray(nan_data, mne.create_info(["FP1", "T3", "C3"], 200.0, "eeg"), verbose="error")
