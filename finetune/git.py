@@ -408,6 +408,11 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 report.update(params_total=info["params_total"], params_trainable=info["params_trainable"],
                               finetune_mode=cfg.adapt.mode)
                 if mode == "finetune":
+                    if cfg.adapt.mode == "lora":
+                        from domainfm import lora
+
+                        lora.save_adapter(model, run_dir / "adapter", base_model_name=cfg.model.name)
+                        lora.merge(model, unload=True)  # RUN/model holds the merged weights
                     report["model_dir"] = str(save_pretrained(model, run_dir / "model"))
     return report
 

@@ -123,6 +123,9 @@ class GIT(nn.Module):
     def reset_classifier(self, n_outputs: int) -> None:
         self.n_outputs = n_outputs
         self.head = nn.Linear(self.hidden_channels, n_outputs) if n_outputs > 0 else nn.Identity()
+        if isinstance(getattr(self, "domainfm_kwargs", None), dict):
+            # keep the record used by save_pretrained in step with the new head
+            self.domainfm_kwargs = {**self.domainfm_kwargs, "n_outputs": n_outputs}
 
     def forward_features(self, x: Tensor, edge_index: Tensor, edge_attr: Tensor | None = None) -> Tensor:
         """Node embeddings (N, hidden_channels) after the message-passing layers."""
