@@ -1054,10 +1054,16 @@ def merge_task_trees(parts: Sequence[TaskTreeBatch]) -> TaskTreeBatch:
     if any(has_attr) and not all(has_attr):
         raise GraphError("merge_task_trees: some parts have edge_attr and others not")
     tasks = {p.task for p in parts}
+    depth = torch.cat([p.depth for p in parts])
+    # keep nodes ordered level by level across the parts (GIT.forward_features' trimming needs it)
+    perm = torch.argsort(depth, stable=True)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
     return TaskTreeBatch(
-        x=torch.cat([p.x for p in parts]), edge_index=torch.cat(edges, 1), node_id=torch.cat([p.node_id for p in parts]),
-        depth=torch.cat([p.depth for p in parts]), tree=torch.cat(trees), roots=torch.cat(roots, -1),
-        task=tasks.pop() if len(tasks) == 1 else "mixed", virtual_root=parts[0].virtual_root,
+        x=torch.cat([p.x for p in parts])[perm], edge_index=inv[torch.cat(edges, 1)],
+        node_id=torch.cat([p.node_id for p in parts])[perm], depth=depth[perm], tree=torch.cat(trees)[perm],
+        roots=inv[torch.cat(roots, -1)], task=tasks.pop() if len(tasks) == 1 else "mixed",
+        virtual_root=parts[0].virtual_root,
         edge_attr=torch.cat([p.edge_attr for p in parts]) if all(has_attr) else None,
         y=torch.cat([p.y for p in parts]) if all(p.y is not None for p in parts) else None,
     )

@@ -22,6 +22,10 @@ Choices that differ from the official code, and why:
   (its BatchNorm statistics and the alignment mean then depend on subgraph sizes).
 * Edge dropping never removes a virtual root's edges to its task nodes: without them the tree
   no longer describes its task (the root embedding would collapse to ``pooling_lin(0)``).
+* Each layer runs only on the nodes whose output can reach a root (``objective.trim``, PyG's
+  "trim to layer"); the official code runs every layer on every node of the subgraph. The root
+  embeddings are the same computation; BatchNorm statistics in training mode come from the
+  computed nodes only.
 * Feature reconstruction targets the mean input features of the root's task nodes; the
   official target is ``x[:batch_size]``, which are the virtual nodes' all-zero rows.
 """
@@ -71,6 +75,7 @@ class ObjectiveSection:
     feat_lambda: float = 1.0
     topo_lambda: float = 1.0
     topo_ratio: float = 0.1
+    trim: bool = True  # compute each layer only where it can reach the roots (see GIT.forward_features)
 
     def __post_init__(self):
         for name in ("feat_p", "edge_p", "predictor_dropout"):
@@ -149,7 +154,10 @@ class GITPretrainer(nn.Module):
             self.topo_decoder = nn.Linear(hidden, hidden)
 
     def roots(self, x: Tensor, edge_index: Tensor, trees: G.TaskTreeBatch) -> tuple[Tensor, Tensor]:
-        z = self.encoder.forward_features(x, edge_index)
+        # Only the roots' children feed the loss: skip the work that cannot reach them, unless
+        # the topology term needs every node's embedding.
+        trim = self.objective.trim and not self.objective.multitask
+        z = self.encoder.forward_features(x, edge_index, depth=trees.depth if trim else None, keep_depth=1)
         return z, self.encoder.virtual_root_embedding(z, edge_index, trees.roots)
 
     def forward(self, trees: G.TaskTreeBatch) -> tuple[Tensor, dict[str, Tensor]]:

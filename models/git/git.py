@@ -54,12 +54,14 @@ class SAGELayer(MessagePassing):
         self.lin_l = nn.Linear(in_channels, out_channels, bias=True)
         self.lin_r = nn.Linear(in_channels, out_channels, bias=False)
 
-    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Tensor | None = None) -> Tensor:
-        if edge_attr is not None and edge_attr.shape[-1] != x.shape[-1]:
+    def forward(self, x: Tensor | tuple[Tensor, Tensor], edge_index: Tensor, edge_attr: Tensor | None = None) -> Tensor:
+        """``x`` may be a pair ``(x_source, x_target)`` (bipartite: targets are the first rows)."""
+        x_src, x_dst = x if isinstance(x, tuple) else (x, x)
+        if edge_attr is not None and edge_attr.shape[-1] != x_src.shape[-1]:
             raise ValueError(f"SAGELayer: edge_attr has {edge_attr.shape[-1]} features but node inputs have "
-                             f"{x.shape[-1]}; GIT adds edge features to neighbour features, so the widths must match")
-        out = self.propagate(edge_index, x=x, edge_attr=edge_attr)
-        return self.lin_l(out) + self.lin_r(x)
+                             f"{x_src.shape[-1]}; GIT adds edge features to neighbour features, so the widths must match")
+        out = self.propagate(edge_index, x=(x_src, x_dst), edge_attr=edge_attr, size=(x_src.shape[0], x_dst.shape[0]))
+        return self.lin_l(out) + self.lin_r(x_dst)
 
     def message(self, x_j: Tensor, edge_attr: Tensor | None = None) -> Tensor:
         return x_j if edge_attr is None else F.relu(x_j + edge_attr)
@@ -127,8 +129,17 @@ class GIT(nn.Module):
             # keep the record used by save_pretrained in step with the new head
             self.domainfm_kwargs = {**self.domainfm_kwargs, "n_outputs": n_outputs}
 
-    def forward_features(self, x: Tensor, edge_index: Tensor, edge_attr: Tensor | None = None) -> Tensor:
-        """Node embeddings (N, hidden_channels) after the message-passing layers."""
+    def forward_features(self, x: Tensor, edge_index: Tensor, edge_attr: Tensor | None = None, *,
+                         depth: Tensor | None = None, keep_depth: int = 0) -> Tensor:
+        """Node embeddings (N, hidden_channels) after the message-passing layers.
+
+        With ``depth`` (non-decreasing (N,) node depths of a task-tree batch) only the nodes whose
+        output can still reach depth ``keep_depth`` are computed: layer ``l`` of ``L`` runs on the
+        nodes of depth ``<= keep_depth + L - l`` (PyG's "trim to layer"). The rows returned are
+        then exact for depth ``<= keep_depth`` (the task roots' inputs) and zero below; in eval
+        mode those rows equal the untrimmed computation, in training mode BatchNorm statistics
+        are taken over the computed nodes only.
+        """
         if x.ndim != 2 or x.shape[1] != self.in_channels:
             raise ValueError(f"GIT expects node features (N, {self.in_channels}), got {tuple(x.shape)}")
         if edge_index.ndim != 2 or edge_index.shape[0] != 2:
@@ -137,11 +148,33 @@ class GIT(nn.Module):
             raise ValueError(f"edge_index holds node ids outside [0, {x.shape[0]})")
         if edge_attr is not None and self.backbone == "gat":
             raise ValueError("backbone='gat' does not use edge features (as the official GIT); pass edge_attr=None")
+        if depth is not None:
+            return self._trimmed(x, edge_index, edge_attr, depth, keep_depth)
         z = x
         for layer, norm in zip(self.layers, self.norms):
             z = layer(z, edge_index, edge_attr) if edge_attr is not None else layer(z, edge_index)
             z = norm(F.relu(z))
             z = self.dropout(z)
+        return z
+
+    def _trimmed(self, x, edge_index, edge_attr, depth, keep_depth):
+        if depth.numel() > 1 and bool((depth[1:] < depth[:-1]).any()):
+            raise ValueError("depth must be non-decreasing (nodes ordered level by level, as build_task_trees makes them)")
+        z = x
+        L = len(self.layers)
+        for i, (layer, norm) in enumerate(zip(self.layers, self.norms)):
+            n_out = int(torch.searchsorted(depth, torch.tensor(keep_depth + L - i - 1, device=depth.device), right=True))
+            mask = edge_index[1] < n_out
+            e = edge_index[:, mask]
+            a = edge_attr[mask] if edge_attr is not None else None
+            pair = (z, z[:n_out])
+            if isinstance(layer, SAGELayer):
+                z = layer(pair, e, a)
+            else:
+                z = layer(pair, e, size=(z.shape[0], n_out))
+            z = self.dropout(norm(F.relu(z)))
+        if z.shape[0] < x.shape[0]:
+            z = torch.cat([z, z.new_zeros(x.shape[0] - z.shape[0], z.shape[1])])
         return z
 
     def task_embedding(self, z: Tensor, task: str, index: Tensor | None = None) -> Tensor:

@@ -259,3 +259,19 @@ def test_shared_trees_hold_each_node_once_and_respect_fanout():
     assert torch.all(t.depth[child] <= t.depth[parent] + 1)
     unrolled = G.build_task_trees(x, ei, "node", torch.randint(0, n, (64,)), [10, 5], shared=False)
     assert t.node_id.numel() < unrolled.node_id.numel()
+
+
+def test_merged_task_trees_stay_level_ordered_and_consistent():
+    x, ei = _star_and_path()
+    a = G.build_task_trees(x, ei, "node", torch.tensor([0, 21]), [10, 3], shared=True)
+    b = G.build_task_trees(x, ei, "edge", torch.tensor([[20], [21]]), [10, 3], shared=True)
+    m = G.merge_task_trees([a, b])
+    assert torch.all(m.depth[1:] >= m.depth[:-1])
+    assert m.num_trees == 3 and torch.all(m.node_id[m.roots] == -1) and torch.all(m.depth[m.roots] == 0)
+    # every edge still connects the same graph nodes as before the merge
+    before = sorted(zip(torch.cat([a.node_id[a.edge_index[0]], b.node_id[b.edge_index[0]]]).tolist(),
+                        torch.cat([a.node_id[a.edge_index[1]], b.node_id[b.edge_index[1]]]).tolist()))
+    after = sorted(zip(m.node_id[m.edge_index[0]].tolist(), m.node_id[m.edge_index[1]].tolist()))
+    assert before == after
+    children_of_last_root = m.node_id[m.edge_index[0][m.edge_index[1] == m.roots[2]]]
+    assert sorted(children_of_last_root.tolist()) == [20, 21]

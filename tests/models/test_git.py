@@ -146,3 +146,27 @@ def test_registered_variants_and_head_reset():
     assert model(x, edge_index).shape == (12, 3)
     model.reset_classifier(0)
     assert model(x, edge_index).shape == (12, 16)
+
+
+@pytest.mark.parametrize("backbone", ["sage", "gat"])
+def test_trimmed_layers_equal_full_computation_at_kept_depths(backbone):
+    from domainfm.data_loaders import graph as G
+
+    torch.manual_seed(0)
+    x = torch.randn(60, 16)
+    ei = torch.randint(0, 60, (2, 240))
+    model = GIT(16, 16, 2, backbone=backbone, dropout=0.0).eval()
+    with torch.no_grad():
+        for norm in model.norms:
+            norm.running_mean.uniform_(-0.3, 0.3)
+    trees = G.build_task_trees(x, ei, "edge", ei[:, :12], [10, 10], shared=True,
+                               generator=torch.Generator().manual_seed(0))
+    full = model.forward_features(trees.x, trees.edge_index)
+    trimmed = model.forward_features(trees.x, trees.edge_index, depth=trees.depth, keep_depth=1)
+    keep = trees.depth <= 1
+    torch.testing.assert_close(trimmed[keep], full[keep], rtol=1e-5, atol=1e-5)
+    assert torch.all(trimmed[~keep] == 0)
+    torch.testing.assert_close(model.virtual_root_embedding(trimmed, trees.edge_index, trees.roots),
+                               model.virtual_root_embedding(full, trees.edge_index, trees.roots), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        model.forward_features(trees.x, trees.edge_index, depth=trees.depth.flip(0))
