@@ -197,7 +197,7 @@ def build_model(cfg: Config, n_chans: int, n_times: int, *, pretrained: bool | s
     try:
         # the official converter also reads our own checkpoints (keys pass through, proj_out dropped)
         model = create_model(cfg.model.name, pretrained=pretrained, converter="official", **kwargs)
-    except hub.HubError as exc:
+    except (hub.HubError, FileNotFoundError) as exc:
         where = "the hub cache" if pretrained is True else str(pretrained)
         message = (
             f"\n[cbramod] pretrained weights unavailable ({type(exc).__name__}): {exc}\n"
