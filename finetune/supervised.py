@@ -49,6 +49,9 @@ def prepare_mode(model: nn.Module, mode: str, *, head: str | list[str] = "head",
     - ``linear_probe``: only the head; the backbone is frozen.
     """
     heads = [head] if isinstance(head, str) else list(head)
+    # only heads that exist as parameters (a model with tied output embeddings has none)
+    names = [n for n, _ in model.named_parameters()]
+    heads = [h for h in heads if any(n == h or n.startswith(h + ".") for n in names)]
     head_patterns = [f"{h}.*" for h in heads]
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")

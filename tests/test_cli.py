@@ -56,3 +56,17 @@ def test_unknown_family_is_named():
 def test_evaluate_rejects_non_run_folder(tmp_path, capsys):
     assert cli.main(["evaluate", str(tmp_path)]) == 2
     assert "not a domainfm run folder" in capsys.readouterr().err
+
+
+def test_overrides_may_follow_options(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run(kind, args):
+        seen.update(kind=kind, overrides=args.overrides, runs_dir=args.runs_dir, name=args.name)
+        return 0
+
+    monkeypatch.setattr(cli, "_run_family", fake_run)
+    assert cli.main(["finetune", "fam", "a.b=1", "--runs-dir", str(tmp_path), "c=2", "--name", "r1", "d.e=[1, 2]"]) == 0
+    assert seen == {"kind": "finetune", "overrides": ["a.b=1", "c=2", "d.e=[1, 2]"], "runs_dir": str(tmp_path), "name": "r1"}
+    with pytest.raises(SystemExit):
+        cli.main(["finetune", "fam", "--runs-dir", str(tmp_path), "--bogus"])

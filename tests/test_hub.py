@@ -143,6 +143,36 @@ def test_hf_url_resolves_through_endpoint(http_server, tiny_zoo, monkeypatch, do
     assert http_server.hit_count("/org/repo/resolve/v1.0/tiny.safetensors") == 1
 
 
+def test_hf_repo_level_source_fetches_config_and_weights(http_server, tiny_zoo, monkeypatch, domainfm_home):
+    import json
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", http_server.base)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", http_server.base + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    expected = tiny_zoo.state_dict(seed=4)
+    weights = safetensors_bytes(expected)
+    config = json.dumps({"model_type": "tiny", "d": 8}).encode()
+    http_server.serve("/org/whole/resolve/main/model.safetensors", weights)
+    http_server.serve("/org/whole/resolve/main/config.json", config)
+    # the weights' digest is on the card; config.json has none, so it warns with its digest
+    tiny_zoo.register("dfmtest-repo", weights=[WeightSource("hf://org/whole/model.safetensors", sha256=_sha(weights))])
+    with pytest.warns(UserWarning, match=_sha(config)):
+        model = domainfm.create_model("dfmtest-repo", pretrained="hf://org/whole", progress=False)
+    _assert_state_equal(model, expected)
+    assert model.domainfm_upstream_config == {"model_type": "tiny", "d": 8}
+    folder = domainfm_home / "weights" / "hf" / "org" / "whole"
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    # a wrong digest for the weights leaves no weights file behind
+    http_server.serve("/org/bad/resolve/main/model.safetensors", weights)
+    http_server.serve("/org/bad/resolve/main/config.json", config)
+    with pytest.raises(ChecksumError):
+        hub.fetch_hf_repo("hf://org/bad", sha256={"model.safetensors": "0" * 64, "config.json": _sha(config)}, progress=False)
+    assert not (domainfm_home / "weights" / "hf" / "org" / "bad" / "model.safetensors").exists()
+
+
 def test_hub_token_is_sent_only_to_the_hub_origin(http_server, monkeypatch):
     # A dummy token; HF_TOKEN wins over any token file, so no real credential is read.
     monkeypatch.setenv("HF_TOKEN", "hf_dummy_for_tests")

@@ -3,6 +3,7 @@
 ``create_model(name, pretrained=...)`` accepts
 
 * ``True``: the first weight source of the variant's model card;
+* ``"hf://org/repo"``: an upstream repository with ``config.json`` + ``model.safetensors``;
 * ``"hf://org/repo/path/to/file"`` or ``"https://..."`` / ``"file://..."``: a URL. When the
   URL is one of the card's sources its recorded sha256 is verified; any other URL needs
   ``sha256=`` or is loaded with a warning that prints the digest it had;
@@ -49,6 +50,7 @@ __all__ = [
     "is_offline",
     "cache_path_for",
     "fetch",
+    "fetch_hf_repo",
     "sha256_file",
     "load_checkpoint",
     "load_state_dict_into",
@@ -367,6 +369,35 @@ def _keys_match(state_dict: Mapping[str, Any], model: nn.Module) -> bool:
     return len(own) > 0 and len(own & set(state_dict)) >= 0.9 * len(own)
 
 
+REPO_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+
+
+def _is_hf_repo(url: str) -> bool:
+    return url.startswith("hf://") and len(url[len("hf://") :].strip("/").split("/")) == 2
+
+
+def fetch_hf_repo(url: str, *, card: zoo.ModelCard | None = None, sha256: str | Mapping[str, str] | None = None,
+                  files: tuple[str, ...] = REPO_FILES, progress: bool = True) -> Path:
+    """Fetch an upstream repository laid out as ``config.json`` + ``model.safetensors``
+    (``hf://org/repo``) into the cache and return its folder.
+
+    Each file's sha256 comes from ``sha256`` (a mapping file -> digest) or from the card's
+    weight source ``hf://org/repo/<file>``; a file with neither is downloaded with a warning
+    that prints its digest.
+    """
+    repo = url[len("hf://") :].strip("/")
+    digests = dict(sha256) if isinstance(sha256, Mapping) else {}
+    if card is not None:
+        for source in card.weights:
+            if source.url.startswith(f"hf://{repo}/"):
+                digests.setdefault(source.url[len(f"hf://{repo}/") :], source.sha256)
+    folder = None
+    for name in files:
+        path = fetch(f"hf://{repo}/{name}", digests.get(name), progress=progress)
+        folder = path.parent
+    return folder
+
+
 def _read_dir(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     config = {}
     if (directory / CONFIG_NAME).is_file():
@@ -423,11 +454,17 @@ def load_pretrained(
         if local is not None and local.is_dir():
             raw, upstream_config = _read_dir(local)
             digest = None
+        elif _is_hf_repo(location):
+            raw, upstream_config = _read_dir(fetch_hf_repo(location, card=card, sha256=sha256, progress=progress))
+            digest = None
         else:
             path = fetch(location, sha256, progress=progress)
             digest = sha256 or sha256_file(path)
             raw = _unwrap_state_dict(load_checkpoint(path), None)
 
+    if upstream_config:
+        # before conversion: a converter may need the upstream config (e.g. tied embeddings)
+        model.domainfm_upstream_config = upstream_config
     converter_name = None
     if callable(converter):
         converter_name = getattr(converter, "__name__", "callable")
@@ -448,8 +485,6 @@ def load_pretrained(
             f"{location}: keys do not match {card.name} and the card has several converters "
             f"({sorted(card.converters)}); pass converter=NAME"
         )
-    if upstream_config:
-        model.domainfm_upstream_config = upstream_config
     report = load_state_dict_into(model, state_dict, heads=heads, strict=strict, source=location)
     report.sha256 = digest
     report.converter = converter_name
