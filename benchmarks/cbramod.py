@@ -12,7 +12,7 @@ reconstruction objective on masked input + MSE on masked patches + backward + Ad
 
 Both implementations run interleaved, rep by rep, so that load from other processes hits both
 alike; the median of the reps is reported. CPU peak memory is the peak RSS growth of a child
-process per case (``resource.getrusage``), GPU peak is ``torch.cuda.max_memory_allocated``.
+process per case over the built model and data (VmHWM after a reset), GPU peak is ``torch.cuda.max_memory_allocated``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import time
 
@@ -152,19 +151,32 @@ def _timed(step, device, clock=time.perf_counter):
     return clock() - t0
 
 
+def _rss_kb(field_name: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field_name}")
+
+
 def _peak_child(impl, mode, precision, batch, device, threads, queue):
     torch.set_num_threads(threads)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     step = _runner(impl, mode, precision, batch, device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    else:
+        # ru_maxrss survives exec (it would report the parent's peak): reset the high-water mark
+        # instead (Linux: writing 5 to clear_refs resets VmHWM) and measure growth over the model
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        base = _rss_kb("VmRSS")
     for _ in range(2):
         step()
     if device == "cuda":
         queue.put((torch.cuda.max_memory_allocated() - base) / 2**20)
     else:
-        queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+        queue.put((_rss_kb("VmHWM") - base) / 1024)
 
 
 def peak_memory_mb(impl, mode, precision, batch, device, threads):
