@@ -1127,3 +1127,50 @@ class PretrainTaskTable(torch.utils.data.Dataset):
             parts.append(build_task_trees(d.x, None, task, index, self.fanouts, csr=d.csr, ptr=d.ptr,
                                           virtual_root=True, shared=True, generator=self.generator))
         return merge_task_trees(parts)
+
+
+def link_prediction_split(ds: GraphDataset, *, seed: int = 0, fractions: tuple[float, float] = (0.85, 0.05),
+                          encoder: TextEncoder | None = None) -> GraphDataset:
+    """A link-prediction task on ``ds``'s graph: its undirected edges split into train/val/test
+    positives (``fractions`` = train, val; the rest test), each with as many negative pairs (drawn
+    uniformly among node pairs that are not edges, fixed by ``seed``). Message passing uses the
+    training positives only, so evaluated links are never seen as edges. Edge task, label 1 =
+    link; the labels are constructed from the graph itself (held-out edges vs. non-edges)."""
+    n = ds.x.shape[0]
+    ei = ds.edge_index
+    und = torch.unique(torch.sort(ei[:, ei[0] != ei[1]], dim=0).values, dim=1)  # u < v, no self-loops
+    m = und.shape[1]
+    if m < 10:
+        raise GraphError(f"{ds.name}: link prediction needs at least 10 undirected edges, found {m}")
+    if m >= n * (n - 1) // 2:
+        raise GraphError(f"{ds.name}: the graph is complete, there are no non-edges to predict against")
+    g = torch.Generator().manual_seed(seed)
+    perm = und[:, torch.randperm(m, generator=g)]
+    n_train, n_val = int(fractions[0] * m), max(1, int(fractions[1] * m))
+    parts = {"train": perm[:, :n_train], "val": perm[:, n_train:n_train + n_val], "test": perm[:, n_train + n_val:]}
+    existing = set((und[0] * n + und[1]).tolist())
+    pairs, labels, splits, pos = [], [], {}, 0
+    for split, positives in parts.items():
+        k = positives.shape[1]
+        negatives = []
+        while len(negatives) < k:
+            cand = torch.randint(0, n, (2, 2 * k + 8), generator=g)
+            for u, v in zip(*torch.sort(cand, dim=0).values.tolist()):
+                if u != v and u * n + v not in existing:
+                    existing.add(u * n + v)  # negatives are distinct across splits too
+                    negatives.append((u, v))
+                    if len(negatives) == k:
+                        break
+        neg = torch.tensor(negatives, dtype=torch.long).t()
+        pairs.append(torch.cat([positives, neg], 1))
+        labels.append(torch.cat([torch.ones(k, dtype=torch.long), torch.zeros(k, dtype=torch.long)]))
+        splits[split] = torch.arange(pos, pos + 2 * k)
+        pos += 2 * k
+    class_texts = ["Two nodes of the graph that are not linked.", "Two nodes of the graph that are linked."]
+    class_emb = encoder.encode(class_texts) if encoder is not None else torch.zeros(2, ds.num_features)
+    return GraphDataset(
+        name=f"{ds.name}-link", task="edge", x=ds.x, edge_index=_undirected(parts["train"], n),
+        task_index=torch.cat(pairs, 1), y=torch.cat(labels), splits=splits, class_texts=class_texts,
+        class_emb=class_emb, encoder=ds.encoder, ptr=ds.ptr,
+        labels="constructed: held-out edges of the graph (1) vs. random non-edges (0)",
+    )

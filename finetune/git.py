@@ -70,6 +70,7 @@ class PretrainSection:
 @dataclass
 class DataSection:
     dataset: str = "mutag"  # karate (node) | nations (edge) | mutag (graph) | a .npz graph file
+    task: str = "auto"  # auto: the dataset's own task; link: link prediction on its graph
     text_encoder: str = "minilm"
     seed: int = 0
     train_fanout: int | None = None  # null: 10 for node tasks, 30 for edge tasks (official loaders)
@@ -167,6 +168,13 @@ class TaskCollate:
         return trees, y
 
 
+def link_forward(model: nn.Module, inp: G.TaskTreeBatch) -> Tensor:
+    """Link logits as the official link prediction: ``pooling_lin(z[u]) . pooling_lin(z[v])``."""
+    z = model.forward_features(inp.x, inp.edge_index, inp.edge_attr)
+    p = model.pooling_lin(z)
+    return (p[inp.roots[0]] * p[inp.roots[1]]).sum(-1)
+
+
 def task_forward(model: nn.Module, inp: Any, *, head: bool = True) -> Tensor:
     """Task embeddings (``head=False``) or logits of a batch built by :class:`TaskCollate`."""
     if isinstance(inp, GraphBatchInput):
@@ -208,7 +216,7 @@ def class_prototypes(support: Tensor, labels: Tensor, n_classes: int) -> Tensor:
 
 def _episode_metric(task: str, logits: Tensor, y: Tensor) -> dict[str, float]:
     out = {"accuracy": M.accuracy(y, logits.argmax(-1))}
-    if task == "graph" and logits.shape[1] == 2 and y.unique().numel() == 2:
+    if task in ("graph", "link") and logits.shape[1] == 2 and y.unique().numel() == 2:
         out["roc_auc"] = M.roc_auc(y, logits.softmax(-1)[:, 1])
     return out
 
@@ -240,7 +248,12 @@ def in_context(model: nn.Module, ds: G.GraphDataset, *, n_way: int, k_shot: int,
             q_y.append(torch.full((n_query,), new))
         take = lambda ps: emb[[row[int(p)] for p in torch.cat(ps).tolist()]]
         logits = prototype_logits(take(q_pos), class_prototypes(take(s_pos), torch.cat(s_y), way))
-        for k, v in _episode_metric(ds.task, logits, torch.cat(q_y)).items():
+        # class order is shuffled per episode: score the positive class of binary tasks
+        q_true = torch.cat(q_y)
+        if ds.num_classes == 2 and way == 2:
+            # binary: columns back in class order, so that ROC-AUC scores the real positive class
+            logits, q_true = logits[:, torch.argsort(classes)], classes[q_true]
+        for k, v in _episode_metric("link" if _is_link(ds) else ds.task, logits, q_true).items():
             scores.setdefault(k, []).append(v)
     out = {}
     for k, vs in scores.items():
@@ -258,7 +271,7 @@ def zero_shot(model: nn.Module, ds: G.GraphDataset, *, fanout: int = -1) -> dict
                            f"({ds.class_emb.shape[1]}-d): needs hidden_channels == in_channels")
     test = ds.splits["test"]
     logits = prototype_logits(embed_tasks(model, ds, test, fanout=fanout), ds.class_emb)
-    return _episode_metric(ds.task, logits, ds.y[test])
+    return _episode_metric("link" if _is_link(ds) else ds.task, logits, ds.y[test])
 
 
 class SFTRecipe(Recipe):
@@ -314,8 +327,14 @@ def _load_encoder(cfg: Config, width: int, run_dir: Path, log=print) -> tuple[nn
     return create_model(cfg.model.name, **kwargs), "random"
 
 
+def _is_link(ds: G.GraphDataset) -> bool:
+    return ds.name.endswith("-link")
+
+
 def _recipe_task(ds: G.GraphDataset) -> tuple[str, int, str]:
     """(SupervisedRecipe task, head outputs, selection metric) of a dataset."""
+    if _is_link(ds):
+        return "binary", 0, "roc_auc"  # scored by the dot product of pooled endpoints, no head
     if ds.task == "graph" and ds.num_classes == 2:
         return "binary", 1, "roc_auc"
     return "multiclass", ds.num_classes, "accuracy"
@@ -328,12 +347,14 @@ def _fine_tune(encoder: nn.Module, ds: G.GraphDataset, cfg: Config, run_dir: Pat
     task, n_out, metric = _recipe_task(ds)
     model = copy.deepcopy(encoder)
     model.reset_classifier(n_out)
-    prepare_mode(model, cfg.adapt.mode, head="head", lora=cfg.adapt.lora)
+    head = "head" if n_out > 0 else "pooling_lin"  # link prediction scores pooled endpoints: pooling_lin is its head
+    prepare_mode(model, cfg.adapt.mode, head=head, lora=cfg.adapt.lora)
     train_fanout = cfg.data.train_fanout or (30 if ds.task == "edge" else 10)
     collate = TaskCollate(ds, train_fanout, model.num_layers, eval_fanout=cfg.data.eval_fanout,
                           use_edge_attr=cfg.data.use_edge_attr)
+    forward = link_forward if _is_link(ds) else (lambda m, inp: task_forward(m, inp))
     recipe = SupervisedRecipe(model, TaskItems(train_pos), TaskItems(ds.splits["val"], evaluation=True), task=task,
-                              forward_fn=lambda m, inp: task_forward(m, inp), collate_fn=collate)
+                              forward_fn=forward, collate_fn=collate)
     train_cfg = copy.deepcopy(cfg.train)
     train_cfg.monitor, train_cfg.monitor_mode = f"val/{metric}", "max"
     trainer = Trainer(train_cfg, run_dir=run_dir)
@@ -349,15 +370,25 @@ def _fine_tune(encoder: nn.Module, ds: G.GraphDataset, cfg: Config, run_dir: Pat
     return model, test, info
 
 
+def load_task_dataset(data: DataSection) -> G.GraphDataset:
+    """The dataset (and task) a fine-tune config names."""
+    if data.task not in ("auto", "link"):
+        raise ValueError(f"data.task={data.task!r}: expected 'auto' or 'link'")
+    encoder = G.text_encoder(data.text_encoder)
+    if data.dataset == "nations":
+        ds = G.load_nations(encoder, min_count=data.min_relation_count)
+    else:
+        ds = G.load_dataset(data.dataset, encoder, seed=data.seed)
+    if data.task == "link":
+        ds = G.link_prediction_split(ds, seed=data.seed, encoder=encoder)
+    return ds
+
+
 def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     from domainfm import save_pretrained
 
     run_dir = Path(run_dir)
-    encoder_kind = G.text_encoder(cfg.data.text_encoder)
-    if cfg.data.dataset == "nations":
-        ds = G.load_nations(encoder_kind, min_count=cfg.data.min_relation_count)
-    else:
-        ds = G.load_dataset(cfg.data.dataset, encoder_kind, seed=cfg.data.seed)
+    ds = load_task_dataset(cfg.data)
     print(f"GIT on {ds.name}: {ds.task} task, {ds.num_classes} classes, splits "
           + ", ".join(f"{k} {v.numel()}" for k, v in ds.splits.items()) + f"; labels {ds.labels}")
     pretrained, init = _load_encoder(cfg, ds.num_features, run_dir)
@@ -423,15 +454,14 @@ def evaluate(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
     run_dir = Path(run_dir)
     model = create_model(run_dir / "model").eval()
-    encoder_kind = G.text_encoder(cfg.data.text_encoder)
-    ds = (G.load_nations(encoder_kind, min_count=cfg.data.min_relation_count) if cfg.data.dataset == "nations"
-          else G.load_dataset(cfg.data.dataset, encoder_kind, seed=cfg.data.seed))
+    ds = load_task_dataset(cfg.data)
     task, _, metric = _recipe_task(ds)
     test = ds.splits["test"]
     collate = TaskCollate(ds, cfg.data.eval_fanout, model.num_layers, eval_fanout=cfg.data.eval_fanout,
                           use_edge_attr=cfg.data.use_edge_attr)
+    forward = link_forward if _is_link(ds) else task_forward
     with torch.no_grad():
-        out = torch.cat([task_forward(model, collate(test[i:i + 256].tolist())[0]) for i in range(0, test.numel(), 256)])
+        out = torch.cat([forward(model, collate(test[i:i + 256].tolist())[0]) for i in range(0, test.numel(), 256)])
     scores = torch.sigmoid(out.reshape(-1)) if task == "binary" else out
     result = M.compute(task, ds.y[test], scores)
     return {f"test_{k}": v for k, v in result.items()}

@@ -117,3 +117,43 @@ def test_missing_pretrained_weights_error_or_explicit_random_fallback(tmp_path):
                      "adapt.modes=[in_context]", "adapt.n_episodes=2", "adapt.k_shot=2", "adapt.n_query=2", name="b")
     assert report["init"] == "random" and "in_context_accuracy_random" in report
     assert "in_context_accuracy_pretrained" not in report
+
+
+def test_in_context_binary_auc_scores_the_real_positive_class():
+    ds = _toy_node_dataset(n_per_class=12, n_classes=2)
+    ds.name = "toy-link"  # binary link-style task: episodes report ROC-AUC
+    ic = FT.in_context(_identity_git(6), ds, n_way=2, k_shot=2, n_query=3, n_episodes=8, seed=1)
+    # episodes shuffle the class order; every one must still score class 1 as positive
+    assert ic["roc_auc"] == 1.0 and ic["roc_auc_std"] == 0.0 and ic["accuracy"] == 1.0
+
+
+def test_link_prediction_split_holds_out_edges():
+    ds = G.load_karate(G.HashingTextEncoder(384))
+    link = G.link_prediction_split(ds, seed=0)
+    assert link.task == "edge" and link.labels.startswith("constructed")
+    mp = set(map(tuple, link.edge_index.t().tolist()))
+    full = set(map(tuple, ds.edge_index.t().tolist()))
+    for split in ("train", "val", "test"):
+        pos = link.splits[split]
+        pairs, y = link.task_index[:, pos], link.y[pos]
+        assert y.sum() * 2 == y.numel()  # balanced
+        for (u, v), label in zip(pairs.t().tolist(), y.tolist()):
+            assert ((u, v) in full) == bool(label)  # positives are edges, negatives are not
+            if split != "train" and label:
+                assert (u, v) not in mp and (v, u) not in mp  # held-out edges never pass messages
+    assert link.splits["train"].numel() == 2 * int(0.85 * 78)
+    with pytest.raises(G.GraphError, match="complete"):
+        G.link_prediction_split(G.load_nations(G.HashingTextEncoder(384)))
+
+
+def test_finetune_cli_link_prediction(tmp_path):
+    run, report = _cli(tmp_path, "data.dataset=karate", "data.task=link", "adapt.modes=[in_context, finetune]",
+                       "adapt.baseline=false", "adapt.n_episodes=3", "train.max_epochs=2", "train.batch_size=32",
+                       name="link")
+    assert report["dataset"] == "karate-link" and report["metric"] == "roc_auc"
+    assert 0 <= report["finetune_test_roc_auc_pretrained"] <= 1 and 0 <= report["in_context_roc_auc_pretrained"] <= 1
+    # no head: link scores are dot products of pooled endpoints
+    assert report["params_total"] == sum(p.numel() for p in GIT(384, 16, 2).parameters())
+    assert main(["evaluate", str(run)]) == 0
+    evaluation = json.loads((run / "evaluation.json").read_text())
+    assert evaluation["test_roc_auc"] == pytest.approx(report["finetune_test_roc_auc_pretrained"])
