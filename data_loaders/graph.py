@@ -1114,7 +1114,8 @@ class PretrainTaskTable(torch.utils.data.Dataset):
         out: dict[str, int] = {}
         for di, kind in torch.unique(self.items[:, :2], dim=0).tolist():
             n = int(((self.items[:, 0] == di) & (self.items[:, 1] == kind)).sum())
-            out[f"{self.datasets[di].name}/{TASKS[kind]}"] = n
+            key = f"{self.datasets[di].name}/{TASKS[kind]}"
+            out[key] = out.get(key, 0) + n
         return out
 
     def collate(self, batch: Sequence[int]) -> TaskTreeBatch:

@@ -275,3 +275,21 @@ def test_merged_task_trees_stay_level_ordered_and_consistent():
     assert before == after
     children_of_last_root = m.node_id[m.edge_index[0][m.edge_index[1] == m.roots[2]]]
     assert sorted(children_of_last_root.tolist()) == [20, 21]
+
+
+def test_pretraining_mixture_rejects_mismatched_feature_widths_and_empty_graphs():
+    a = G.load_karate(G.HashingTextEncoder(32))
+    b = G.load_nations(G.HashingTextEncoder(48))
+    with pytest.raises(G.GraphError, match="different feature widths \\(karate: 32, nations: 48\\)"):
+        G.PretrainTaskTable([a, b])
+    with pytest.raises(G.GraphError, match="task type 'subgraph'"):
+        G.PretrainTaskTable([a], ["subgraph"])
+    with pytest.raises(G.GraphError, match="graph 1 is empty"):
+        G.GraphDataset(name="mols", task="graph", x=torch.randn(3, 4), edge_index=torch.tensor([[0], [1]]),
+                       ptr=torch.tensor([0, 3, 3]), task_index=torch.arange(2), y=torch.tensor([0, 1]), splits={},
+                       class_texts=["a", "b"], class_emb=torch.zeros(2, 4), labels="", encoder="")
+    table = G.PretrainTaskTable([a, G.load_karate(G.HashingTextEncoder(32))], ["own", "graph"])
+    assert table.counts() == {"karate/node": 68}  # a single graph has no graph-level task
+    assert len(table) == 68
+    batch = table.collate(list(range(0, 68, 3)))
+    assert batch.num_trees == 23 and torch.all(batch.depth[batch.roots] == 0)
