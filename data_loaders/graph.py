@@ -60,6 +60,12 @@ __all__ = [
     "load_tu_dataset",
     "load_mutag",
     "load_graph_dir",
+    "from_pyg",
+    "link_prediction_split",
+    "merge_task_trees",
+    "PretrainTaskTable",
+    "shipped_texts",
+    "write_embedding_table",
     "load_dataset",
     "samples_dir",
     "SHIPPED_DATASETS",
@@ -1175,3 +1181,53 @@ def link_prediction_split(ds: GraphDataset, *, seed: int = 0, fractions: tuple[f
         class_emb=class_emb, encoder=ds.encoder, ptr=ds.ptr,
         labels="constructed: held-out edges of the graph (1) vs. random non-edges (0)",
     )
+
+
+def from_pyg(data, *, name: str = "pyg", class_emb: Tensor | None = None, class_texts: Sequence[str] | None = None,
+             encoder: TextEncoder | None = None, seed: int = 0, labels: str = "from the PyG object") -> GraphDataset:
+    """A :class:`GraphDataset` from PyG: one ``Data`` (node task: ``data.y`` per node; the masks
+    ``train_mask``/``val_mask``/``test_mask`` when present, else a stratified 60/20/20 split) or a
+    sequence of ``Data`` graphs / a PyG dataset (graph task: one label per graph).
+
+    ``x`` must already be text-aligned features (e.g. encoded with the same encoder as the other
+    graphs). Class prototypes for zero-shot: ``class_emb``, or ``class_texts`` encoded with
+    ``encoder``; otherwise zeros (zero-shot then meaningless, other modes unaffected).
+    """
+    from torch_geometric.data import Batch, Data
+
+    if isinstance(data, Data):
+        if data.x is None or data.y is None:
+            raise GraphError(f"{name}: the Data object needs x (node features) and y (node labels)")
+        y = data.y.long().view(-1)
+        if y.numel() != data.num_nodes:
+            raise GraphError(f"{name}: y has {y.numel()} labels for {data.num_nodes} nodes (node task)")
+        masks = [getattr(data, f"{k}_mask", None) for k in ("train", "val", "test")]
+        if all(m is not None for m in masks):
+            splits = {k: m.nonzero().flatten() for k, m in zip(("train", "val", "test"), masks)}
+        else:
+            splits = _stratified_split(y, (0.6, 0.2), seed)
+        task, x, edge_index, ptr, task_index = "node", data.x.float(), data.edge_index, None, torch.arange(y.numel())
+        edge_attr = data.edge_attr.float() if getattr(data, "edge_attr", None) is not None else None
+    else:
+        graphs = list(data)
+        if not graphs:
+            raise GraphError(f"{name}: no graphs")
+        empty = [i for i, g in enumerate(graphs) if g.num_nodes == 0]
+        if empty:
+            raise GraphError(f"{name}: graph {empty[0]} is empty (0 nodes)")
+        batch = Batch.from_data_list(graphs)
+        y = torch.stack([g.y.view(-1)[0] for g in graphs]).long()
+        task, x, edge_index, ptr, task_index = "graph", batch.x.float(), batch.edge_index, batch.ptr, torch.arange(len(graphs))
+        edge_attr = batch.edge_attr.float() if getattr(batch, "edge_attr", None) is not None else None
+        splits = _stratified_split(y, (0.6, 0.2), seed)
+    n_classes = int(y.max()) + 1
+    if class_emb is None and class_texts is not None:
+        if encoder is None:
+            raise GraphError(f"{name}: class_texts need an encoder")
+        class_emb = encoder.encode(list(class_texts))
+    if class_emb is None:
+        class_emb = torch.zeros(n_classes, x.shape[1])
+    return GraphDataset(name=name, task=task, x=x, edge_index=edge_index, edge_attr=edge_attr, ptr=ptr,
+                        task_index=task_index, y=y, splits=splits,
+                        class_texts=list(class_texts) if class_texts else [f"class {i}" for i in range(n_classes)],
+                        class_emb=class_emb, labels=labels, encoder=encoder.name if encoder else "unknown")

@@ -293,3 +293,22 @@ def test_pretraining_mixture_rejects_mismatched_feature_widths_and_empty_graphs(
     assert len(table) == 68
     batch = table.collate(list(range(0, 68, 3)))
     assert batch.num_trees == 23 and torch.all(batch.depth[batch.roots] == 0)
+
+
+def test_from_pyg_node_data_and_graph_list():
+    from torch_geometric.data import Data
+
+    x = torch.randn(6, 8)
+    ei = torch.tensor([[0, 1, 2, 3, 4], [1, 2, 3, 4, 5]])
+    mask = lambda idx: torch.zeros(6, dtype=torch.bool).index_fill_(0, torch.tensor(idx), True)
+    data = Data(x=x, edge_index=ei, y=torch.tensor([0, 1, 0, 1, 0, 1]), train_mask=mask([0, 1]),
+                val_mask=mask([2, 3]), test_mask=mask([4, 5]))
+    ds = G.from_pyg(data, name="toy", class_texts=["even", "odd"], encoder=G.HashingTextEncoder(8))
+    assert ds.task == "node" and ds.splits["test"].tolist() == [4, 5] and ds.class_emb.shape == (2, 8)
+    graphs = [Data(x=torch.randn(n, 8), edge_index=torch.tensor([[0], [1]]), y=torch.tensor([n % 2])) for n in (3, 4, 5, 2, 3, 4)]
+    gds = G.from_pyg(graphs, name="mols")
+    assert gds.task == "graph" and gds.ptr.tolist() == [0, 3, 7, 12, 14, 17, 21] and gds.y.tolist() == [1, 0, 1, 0, 1, 0]
+    with pytest.raises(G.GraphError, match="empty"):
+        G.from_pyg([Data(x=torch.zeros(0, 8), edge_index=torch.zeros(2, 0, dtype=torch.long), y=torch.tensor([0]))])
+    with pytest.raises(G.GraphError, match="node id 9"):
+        G.from_pyg(Data(x=x, edge_index=torch.tensor([[0], [9]]), y=torch.zeros(6, dtype=torch.long)))
