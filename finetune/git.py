@@ -91,6 +91,7 @@ class AdaptSection:
     n_query: int = 3
     n_episodes: int = 20
     few_shot_k: int = 3
+    seeds: list[int] = field(default_factory=lambda: [0])  # fine-tune / few-shot repeats (train.seed + s): mean and std
     sft_steps: int = 50
     sft_lr: float = 1e-4
 
@@ -430,21 +431,34 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 g = torch.Generator().manual_seed(cfg.data.seed)
                 train_pos = torch.cat([p[torch.randperm(p.numel(), generator=g)[:a.few_shot_k]]
                                        for c in range(ds.num_classes) if (p := train_pos[ds.y[train_pos] == c]).numel()])
-            model, test, info = _fine_tune(enc, ds, cfg, run_dir / f"{mode}-{tag}", train_pos)
-            report[f"{mode}_test_{metric}_{tag}"] = test[metric]
-            if metric != "accuracy" and "accuracy" in test:
-                report[f"{mode}_test_accuracy_{tag}"] = test["accuracy"]
-            report[f"{mode}_best_val_{metric}_{tag}"] = info["best_val"]
-            if tag == inits[0][0]:
-                report.update(params_total=info["params_total"], params_trainable=info["params_trainable"],
-                              finetune_mode=cfg.adapt.mode)
-                if mode == "finetune":
-                    if cfg.adapt.mode == "lora":
-                        from domainfm import lora
+            tests, vals = [], []
+            for i, repeat in enumerate(a.seeds):
+                run_cfg = copy.deepcopy(cfg)
+                run_cfg.train.seed = cfg.train.seed + repeat
+                sub = f"{mode}-{tag}" + (f"-seed{repeat}" if len(a.seeds) > 1 else "")
+                model, test, info = _fine_tune(enc, ds, run_cfg, run_dir / sub, train_pos)
+                tests.append(test)
+                vals.append(info["best_val"])
+                if i == 0 and tag == inits[0][0]:
+                    report.update(params_total=info["params_total"], params_trainable=info["params_trainable"],
+                                  finetune_mode=cfg.adapt.mode)
+                    if mode == "finetune":
+                        if cfg.adapt.mode == "lora":
+                            from domainfm import lora
 
-                        lora.save_adapter(model, run_dir / "adapter", base_model_name=cfg.model.name)
-                        lora.merge(model, unload=True)  # RUN/model holds the merged weights
-                    report["model_dir"] = str(save_pretrained(model, run_dir / "model"))
+                            lora.save_adapter(model, run_dir / "adapter", base_model_name=cfg.model.name)
+                            lora.merge(model, unload=True)  # RUN/model holds the merged weights
+                        report["model_dir"] = str(save_pretrained(model, run_dir / "model"))
+                        report["model_seed"] = run_cfg.train.seed  # RUN/model: the first repeat's model
+            keys = [metric] + (["accuracy"] if metric != "accuracy" and "accuracy" in tests[0] else [])
+            for k in keys:
+                values = torch.tensor([t[k] for t in tests], dtype=torch.float64)
+                report[f"{mode}_test_{k}_{tag}"] = float(values.mean())
+                if len(tests) > 1:
+                    report[f"{mode}_test_{k}_std_{tag}"] = float(values.std())
+            report[f"{mode}_best_val_{metric}_{tag}"] = float(torch.tensor(vals, dtype=torch.float64).mean())
+            if len(tests) > 1:
+                report[f"{mode}_test_{metric}_runs_{tag}"] = [t[metric] for t in tests]
     return report
 
 

@@ -69,7 +69,7 @@ def test_in_context_and_zero_shot_on_separable_embeddings():
 
 def _cli(tmp_path, *overrides, name="ft"):
     rc = main(["finetune", "git", "model.name=git-test", "pretrain.max_steps=2", "pretrain.batch_size=64",
-               "pretrain.datasets=[karate, nations]", "train.max_epochs=2", "train.batch_size=8", *overrides,
+               "pretrain.datasets=[karate, nations]", "train.max_epochs=2", "train.batch_size=8", "adapt.seeds=[0]", *overrides,
                "--runs-dir", str(tmp_path), "--name", name])
     assert rc == 0
     run = tmp_path / "git" / name
@@ -149,11 +149,14 @@ def test_link_prediction_split_holds_out_edges():
 def test_finetune_cli_link_prediction(tmp_path):
     run, report = _cli(tmp_path, "data.dataset=karate", "data.task=link", "adapt.modes=[in_context, finetune]",
                        "adapt.baseline=false", "adapt.n_episodes=3", "train.max_epochs=2", "train.batch_size=32",
-                       name="link")
+                       "adapt.seeds=[0, 5]", name="link")
     assert report["dataset"] == "karate-link" and report["metric"] == "roc_auc"
     assert 0 <= report["finetune_test_roc_auc_pretrained"] <= 1 and 0 <= report["in_context_roc_auc_pretrained"] <= 1
+    runs = report["finetune_test_roc_auc_runs_pretrained"]
+    assert len(runs) == 2 and report["finetune_test_roc_auc_pretrained"] == pytest.approx(sum(runs) / 2)
+    assert (run / "finetune-pretrained-seed5" / "metrics.jsonl").is_file() and report["model_seed"] == 0
     # no head: link scores are dot products of pooled endpoints
     assert report["params_total"] == sum(p.numel() for p in GIT(384, 16, 2).parameters())
     assert main(["evaluate", str(run)]) == 0
     evaluation = json.loads((run / "evaluation.json").read_text())
-    assert evaluation["test_roc_auc"] == pytest.approx(report["finetune_test_roc_auc_pretrained"])
+    assert evaluation["test_roc_auc"] == pytest.approx(runs[0])  # RUN/model is the first repeat
