@@ -113,6 +113,10 @@ def inference_benchmark(args) -> dict:
     torch.manual_seed(0)
     device = args.device
     plain = _backbone(args).to(device).eval()
+    # random DINOv2 init has LayerScale 1e-5, which would hide any adapter; trained ViTs do not
+    for name, p in plain.named_parameters():
+        if name.endswith("gamma"):
+            p.fill_(1.0)
     adapted = copy.deepcopy(plain)
     lora.apply(adapted, preset="explora")
     with torch.no_grad():  # non-zero adapters, so merging really changes weights
@@ -123,6 +127,7 @@ def inference_benchmark(args) -> dict:
     res = {"plain_vit_s": _timed(lambda: plain(x), args.reps, device)}
     res["lora_unmerged_s"] = _timed(lambda: adapted(x), args.reps, device)
     reference = adapted(x)
+    res["adapter_effect_max_abs"] = float((reference - plain(x)).abs().max())
     lora.merge(adapted)
     res["lora_merged_s"] = _timed(lambda: adapted(x), args.reps, device)
     res["merged_max_abs_diff"] = float((adapted(x) - reference).abs().max())
@@ -171,7 +176,8 @@ def main(argv=None) -> int:
     print("inference (median s / forward):")
     for key in ("plain_vit_s", "lora_unmerged_s", "lora_merged_s", "lora_merged_unloaded_s"):
         print(f"  {key:26s}{i[key]:.4f}  ({i[key] / i['plain_vit_s']:.3f} x plain)")
-    print(f"  merged vs unmerged max |diff|: {i['merged_max_abs_diff']:.2e}; unloaded model has the plain "
+    print(f"  merged vs unmerged max |diff|: {i['merged_max_abs_diff']:.2e} (adapter changes outputs by up to "
+          f"{i['adapter_effect_max_abs']:.2e}); unloaded model has the plain "
           f"ViT's module types: {i['unloaded_same_module_types']}")
     return 0
 
