@@ -427,7 +427,6 @@ class DinoRecipe(Recipe):
         self.base_weight_decay = base_weight_decay
         self.total_steps = 1
         self.generator = torch.Generator().manual_seed(seed)
-        self._groups: list[dict[str, Any]] = []
         for p in pretrainer.student["head"].last_layer_parameters():
             p.register_hook(self._freeze_last_layer_hook)
 
@@ -439,8 +438,7 @@ class DinoRecipe(Recipe):
 
     def param_groups(self, model: nn.Module, config: TrainConfig):
         cfg = TrainConfig(**{**config.__dict__, "weight_decay": self.base_weight_decay})
-        self._groups = build_param_groups(model, cfg)
-        return self._groups
+        return build_param_groups(model, cfg)
 
     def current_teacher_temp(self) -> float:
         s = self.settings
@@ -466,8 +464,11 @@ class DinoRecipe(Recipe):
             if p.requires_grad:
                 teacher[name].mul_(m).add_(p.detach(), alpha=1 - m)
         model.step.fill_(step)
-        wd = cosine_schedule(self.base_weight_decay, s.weight_decay_end, step, total_steps)
-        for g in self._groups:
+
+    def before_optimizer_step(self, optimizer, step: int, total_steps: int) -> None:
+        # set on the live optimizer each step, so a resumed run continues the schedule exactly
+        wd = cosine_schedule(self.base_weight_decay, self.settings.weight_decay_end, step, total_steps)
+        for g in optimizer.param_groups:
             if g.get("weight_decay", 0) > 0:
                 g["weight_decay"] = wd
 
@@ -740,9 +741,6 @@ def run(cfg: Config, run_dir: Path) -> dict:
         grid = d.global_size // backbone.patch_embed.patch_size[0]
         recipe: Recipe = DinoRecipe(pretrainer, dataset, n_patches=grid * grid, seed=cfg.train.seed,
                                     base_weight_decay=cfg.train.weight_decay)
-        if cfg.train.resume and d.weight_decay_end != cfg.train.weight_decay:
-            print("[explora] note: on resume the weight-decay schedule continues from the checkpoint's value "
-                  "(the engine rebuilds the optimizer's groups; see the family README)")
     else:
         m = cfg.mae
         dataset = pretrain_dataset(cfg.data, S.MaeTransform(m.img_size, tuple(m.crop_scale)))

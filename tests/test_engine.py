@@ -189,3 +189,23 @@ def test_torchrun_two_processes_ddp_gloo(tmp_path):
     assert (tmp_path / "rank1.txt").read_text() == (tmp_path / "rank0.txt").read_text()
     init = TinyNet(dropout=0.0)
     assert not torch.equal(init.head.weight, w0["head.weight"])
+
+
+def test_before_optimizer_step_hook_sees_live_optimizer_also_after_resume(tmp_path):
+    class WdSchedule(ClassifyRecipe):
+        def before_optimizer_step(self, optimizer, step, total_steps):
+            for g in optimizer.param_groups:
+                if g["weight_decay"] > 0:
+                    g["weight_decay"] = 0.01 * (step + 1)
+            self.seen = (step, total_steps, optimizer.param_groups[0]["weight_decay"])
+
+    cfg = dict(max_epochs=2, batch_size=32, checkpoint_every_steps=4)
+    torch.manual_seed(0)
+    recipe = WdSchedule(TinyNet(), make_dataset())
+    Trainer(_cfg(**cfg), run_dir=tmp_path).fit(recipe)
+    assert recipe.seen == (15, 16, pytest.approx(0.16))
+    resumed = WdSchedule(TinyNet(), make_dataset())
+    trainer = Trainer(_cfg(max_epochs=3, resume=True, **{k: v for k, v in cfg.items() if k != "max_epochs"}), run_dir=tmp_path)
+    trainer.fit(resumed)
+    # the resumed run's groups are new dicts (optimizer.load_state_dict), and the hook still drives them
+    assert resumed.seen == (23, 24, pytest.approx(0.24))

@@ -151,6 +151,11 @@ class Recipe:
         """Optional: custom optimizer parameter groups (default: :func:`build_param_groups`)."""
         return None
 
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, step: int, total_steps: int) -> None:
+        """Optional hook before optimizer step ``step`` (0-based) with the live optimizer, e.g. a
+        weight-decay schedule set on ``optimizer.param_groups``. Called on every step, also after a
+        resume, so per-step schedules need no state of their own."""
+
     def on_train_step_end(self, model: nn.Module, step: int, total_steps: int) -> None:
         """Optional hook after each optimizer step (e.g. an EMA teacher update)."""
 
@@ -600,6 +605,7 @@ class Trainer:
                         continue
                     if cfg.clip_grad_norm is not None:
                         self.fabric.clip_gradients(model, optimizer, max_norm=cfg.clip_grad_norm, error_if_nonfinite=False)
+                    recipe.before_optimizer_step(optimizer, self.global_step, total_steps)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()

@@ -128,7 +128,10 @@ def test_ema_teacher_update_isolation_and_last_layer_freeze():
         else:  # frozen base weights: identical in both, untouched
             assert torch.equal(p, before_t[name]) and torch.equal(p, student[name])
     assert int(pt.step) == 1
-    assert all(g["weight_decay"] == pytest.approx(E.cosine_schedule(0.04, 0.4, 1, 10)) for g in groups if g["weight_decay"] > 0)
+    optimizer = torch.optim.AdamW(groups)
+    recipe.before_optimizer_step(optimizer, step=1, total_steps=10)
+    decayed = [g for g in optimizer.param_groups if g["weight_decay"] > 0]
+    assert decayed and all(g["weight_decay"] == pytest.approx(E.cosine_schedule(0.04, 0.4, 1, 10)) for g in decayed)
     # the next step's gradient reaches the prototypes
     pt.zero_grad()
     loss, _ = recipe.step(pt, crops)
