@@ -170,10 +170,14 @@ class TaskCollate:
 
 
 def link_forward(model: nn.Module, inp: G.TaskTreeBatch) -> Tensor:
-    """Link logits as the official link prediction: ``pooling_lin(z[u]) . pooling_lin(z[v])``."""
+    """Link logits: ``pooling_lin(z[u]) . pooling_lin(z[v]) / sqrt(hidden)``.
+
+    The official link prediction scores ``sigmoid(pooling_lin(z[u]) . pooling_lin(z[v]))``; the
+    ``1/sqrt(hidden)`` scale (same ranking, so the same ROC-AUC) keeps the initial logits of a
+    768-wide model out of the saturated range where BCE gradients vanish."""
     z = model.forward_features(inp.x, inp.edge_index, inp.edge_attr)
     p = model.pooling_lin(z)
-    return (p[inp.roots[0]] * p[inp.roots[1]]).sum(-1)
+    return (p[inp.roots[0]] * p[inp.roots[1]]).sum(-1) / math.sqrt(p.shape[-1])
 
 
 def task_forward(model: nn.Module, inp: Any, *, head: bool = True) -> Tensor:
