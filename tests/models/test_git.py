@@ -170,3 +170,19 @@ def test_trimmed_layers_equal_full_computation_at_kept_depths(backbone):
                                model.virtual_root_embedding(full, trees.edge_index, trees.roots), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="non-decreasing"):
         model.forward_features(trees.x, trees.edge_index, depth=trees.depth.flip(0))
+
+
+def test_converter_maps_old_pyg_gat_keys_and_drops_pretraining_modules():
+    model = GIT(16, 16, 2, backbone="gat", norm="none")
+    own = model.state_dict()
+    old = {}
+    for key, value in own.items():
+        old[key.replace(".lin.", ".lin_src.")] = value.clone() + 1
+        if ".lin." in key:
+            old[key.replace(".lin.", ".lin_dst.")] = value.clone() + 1  # PyG < 2.5 stores the shared matrix twice
+    old.update({f"norms.{i}.weight": torch.ones(16) for i in range(3)})  # normalize='none' checkpoints still carry norms
+    old["sem_decoder.lins.0.weight"] = torch.zeros(16, 16)  # a PretrainModel's predictor is not part of the encoder
+    converted = convert_official_state_dict({f"encoder.{k}": v for k, v in old.items()}, model)
+    assert set(converted) == set(own)
+    model.load_state_dict(converted, strict=True)
+    torch.testing.assert_close(model.layers[0].lin.weight, own["layers.0.lin.weight"] + 1)
