@@ -174,7 +174,7 @@ def test_trimmed_layers_equal_full_computation_at_kept_depths(backbone):
 
 def test_converter_maps_old_pyg_gat_keys_and_drops_pretraining_modules():
     model = GIT(16, 16, 2, backbone="gat", norm="none")
-    own = model.state_dict()
+    own = {k: v.clone() for k, v in model.state_dict().items()}
     old = {}
     for key, value in own.items():
         old[key.replace(".lin.", ".lin_src.")] = value.clone() + 1
