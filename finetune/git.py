@@ -14,7 +14,11 @@ support embeddings, logits ``-(2 - 2 cos(query, prototype))``; n-way k-shot epis
 support from the training split and the queries from the test split. Zero-shot: the prototypes
 are the class-description text embeddings (needs ``hidden_channels == in_channels``), usually
 after specialisation: MSE between ``pooling_lin(root)`` and the true class's text embedding.
-Metrics: accuracy for node and edge tasks, ROC-AUC for (binary) graph classification.
+Link prediction (``data.task: link``) holds out edges of the graph against random non-edges and
+scores ``pooling_lin(z[u]) . pooling_lin(z[v]) / sqrt(hidden)``. Fine-tuning can be repeated over
+seeds (``adapt.seeds``; mean and std reported; ``RUN/model`` is the first repeat's model).
+Metrics: accuracy for node and edge tasks, ROC-AUC for (binary) graph classification and link
+prediction.
 """
 from __future__ import annotations
 
