@@ -355,6 +355,7 @@ def _fine_tune(encoder: nn.Module, ds: G.GraphDataset, cfg: Config, run_dir: Pat
 
     task, n_out, metric = _recipe_task(ds)
     model = copy.deepcopy(encoder)
+    torch.manual_seed(cfg.train.seed)  # the new head's init follows the run's seed
     model.reset_classifier(n_out)
     head = "head" if n_out > 0 else "pooling_lin"  # link prediction scores pooled endpoints: pooling_lin is its head
     prepare_mode(model, cfg.adapt.mode, head=head, lora=cfg.adapt.lora)
@@ -397,6 +398,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     from domainfm import save_pretrained
 
     run_dir = Path(run_dir)
+    torch.manual_seed(cfg.train.seed)
     ds = load_task_dataset(cfg.data)
     print(f"GIT on {ds.name}: {ds.task} task, {ds.num_classes} classes, splits "
           + ", ".join(f"{k} {v.numel()}" for k, v in ds.splits.items()) + f"; labels {ds.labels}")

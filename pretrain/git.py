@@ -232,6 +232,7 @@ def pretrain_encoder(cfg: Config, run_dir: Path | None, *, log=print) -> tuple[n
     graphs = load_pretraining_graphs(cfg.data)
     width = graphs[0].num_features
     kwargs = {"in_channels": width, "n_outputs": 0, **cfg.model.overrides}
+    torch.manual_seed(cfg.train.seed)  # the initial weights are part of the run: same config, same run
     encoder = create_model(cfg.model.name, pretrained=cfg.model.init or False, **kwargs)
     if encoder.in_channels != width:
         raise G.GraphError(f"model {cfg.model.name} takes {encoder.in_channels}-d features but the graphs have {width}")

@@ -122,3 +122,17 @@ def test_module_loss_on_a_fixed_tree_batch_matches_its_parts():
     module.objective.trim = False
     full, _ = module(trees)
     torch.testing.assert_close(trimmed, full)
+
+
+def test_same_config_same_pretraining_run(tmp_path):
+    reports = []
+    for name in ("a", "b"):
+        assert main(["pretrain", "git", "model.name=git-test", "data.datasets=[karate]", "train.max_steps=2",
+                     "train.batch_size=64", "--runs-dir", str(tmp_path), "--name", name]) == 0
+        reports.append(json.loads((tmp_path / "git" / name / "report.json").read_text()))
+    assert reports[0]["final_loss"] == reports[1]["final_loss"]
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "git" / "a" / "encoder" / "model.safetensors"))
+    b = load_file(str(tmp_path / "git" / "b" / "encoder" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
