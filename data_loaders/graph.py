@@ -1004,6 +1004,10 @@ def load_dataset(name: str, encoder: TextEncoder | None = None, *, seed: int = 0
     raise GraphError(f"dataset {name!r}: not one of the shipped {sorted(SHIPPED_DATASETS)} and not a path")
 
 
+# class descriptions of link prediction (label 0, 1); part of the shipped embedding table
+LINK_CLASS_TEXTS = ("Two nodes of the graph that are not linked.", "Two nodes of the graph that are linked.")
+
+
 def shipped_texts() -> list[str]:
     """Every node, edge and class text of the shipped datasets (what the shipped table covers)."""
 
@@ -1020,6 +1024,7 @@ def shipped_texts() -> list[str]:
     collect = _Collect()
     for loader in SHIPPED_DATASETS.values():
         loader(collect)
+    collect.seen.update(LINK_CLASS_TEXTS)
     return sorted(collect.seen)
 
 
@@ -1173,7 +1178,7 @@ def link_prediction_split(ds: GraphDataset, *, seed: int = 0, fractions: tuple[f
         labels.append(torch.cat([torch.ones(k, dtype=torch.long), torch.zeros(k, dtype=torch.long)]))
         splits[split] = torch.arange(pos, pos + 2 * k)
         pos += 2 * k
-    class_texts = ["Two nodes of the graph that are not linked.", "Two nodes of the graph that are linked."]
+    class_texts = list(LINK_CLASS_TEXTS)
     class_emb = encoder.encode(class_texts) if encoder is not None else torch.zeros(2, ds.num_features)
     return GraphDataset(
         name=f"{ds.name}-link", task="edge", x=ds.x, edge_index=_undirected(parts["train"], n),
