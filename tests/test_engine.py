@@ -209,3 +209,20 @@ def test_before_optimizer_step_hook_sees_live_optimizer_also_after_resume(tmp_pa
     trainer.fit(resumed)
     # the resumed run's groups are new dicts (optimizer.load_state_dict), and the hook still drives them
     assert resumed.seen == (23, 24, pytest.approx(0.24))
+
+
+def test_eval_collate_fn_is_used_for_evaluation_only():
+    calls = {"train": 0, "eval": 0}
+
+    def train_collate(items):
+        calls["train"] += 1
+        return torch.utils.data.default_collate(items)
+
+    def eval_collate(items):
+        calls["eval"] += 1
+        return torch.utils.data.default_collate(items)
+
+    recipe = ClassifyRecipe(TinyNet(), make_dataset(n=64), make_dataset(n=32, seed=1))
+    recipe.collate_fn, recipe.eval_collate_fn = train_collate, eval_collate
+    Trainer(_cfg(max_epochs=1)).fit(recipe)
+    assert calls == {"train": 4, "eval": 2}

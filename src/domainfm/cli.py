@@ -109,6 +109,12 @@ def _run_family(kind: str, args) -> int:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     atomic_write_text(run_dir / "run.json", json.dumps(meta, indent=2) + "\n")
     print(f"domainfm {kind} {args.family}: run folder {run_dir}")
+    seed = getattr(getattr(cfg, "train", None), "seed", None)
+    if seed is not None:
+        # before run() builds the model: the same config gives the same initial weights
+        from lightning_fabric.utilities.seed import seed_everything
+
+        seed_everything(seed, verbose=False)
     start = time.perf_counter()
     report = dict(module.run(cfg, run_dir) or {})
     report.setdefault("family", args.family)

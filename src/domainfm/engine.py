@@ -136,6 +136,7 @@ class Recipe:
     train_dataset: Dataset | None = None
     val_dataset: Dataset | None = None
     collate_fn: Callable | None = None
+    eval_collate_fn: Callable | None = None  # default: collate_fn
 
     def step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         raise NotImplementedError
@@ -508,7 +509,7 @@ class Trainer:
             model = getattr(self, "_model", None)
             if model is None:
                 model = self._model = self.fabric.setup_module(recipe.model)
-        loader, sampler = self._loader(dataset, recipe.collate_fn, train=False)
+        loader, sampler = self._loader(dataset, recipe.eval_collate_fn or recipe.collate_fn, train=False)
         was_training = model.training
         model.eval()
         collected: dict[str, list[torch.Tensor]] = {}
