@@ -43,6 +43,7 @@ class TinyNet(nn.Module):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(n_chans, hidden), nn.GELU(), nn.LayerNorm(hidden))
         self.head = nn.Linear(hidden, n_outputs)
+        self.n_outputs = n_outputs
         self.register_buffer("scale", torch.ones(hidden))
         self.num_features = hidden
 
@@ -54,6 +55,7 @@ class TinyNet(nn.Module):
 
     def reset_classifier(self, n_outputs: int) -> None:
         self.head = nn.Linear(self.num_features, n_outputs)
+        self.n_outputs = n_outputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))

@@ -465,3 +465,13 @@ def test_save_pretrained_needs_a_zoo_model(tmp_path, tiny_zoo):
     with pytest.raises(ValueError, match="create_model"):
         domainfm.save_pretrained(tiny_zoo.Net(), tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_save_pretrained_after_reset_classifier_records_the_new_head(tiny_zoo, tmp_path):
+    model = domainfm.create_model("dfmtest-tiny")
+    model.reset_classifier(5)
+    domainfm.save_pretrained(model, tmp_path / "m")
+    reloaded = domainfm.create_model(tmp_path / "m")
+    assert reloaded.head.out_features == 5
+    x = torch.randn(4, 3)
+    assert torch.equal(reloaded(x), model(x))

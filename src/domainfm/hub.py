@@ -518,10 +518,15 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
         raise ValueError("save_pretrained needs a model made by domainfm.create_model (it records the variant name)")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    kwargs = dict(getattr(model, "domainfm_kwargs", {}))
+    n_outputs = getattr(model, "n_outputs", None)
+    if "n_outputs" in kwargs and isinstance(n_outputs, int):
+        # reset_classifier() after create_model() changed the head: record its size as it is now
+        kwargs["n_outputs"] = n_outputs
     config = {
         "domainfm": {
             "model_name": name,
-            "model_kwargs": _jsonable(getattr(model, "domainfm_kwargs", {})),
+            "model_kwargs": _jsonable(kwargs),
             "format_version": 1,
         }
     }
