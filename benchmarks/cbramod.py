@@ -25,78 +25,22 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from domainfm.models.cbramod.reference import RefCBraMod
 
 
 # ----------------------------------------------------------------------------- official-style
 
 
-class OfficialPatchEmbedding(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.positional_encoding = nn.Sequential(nn.Conv2d(200, 200, (19, 7), (1, 1), (9, 3), groups=200))
-        self.mask_encoding = nn.Parameter(torch.zeros(200), requires_grad=False)
-        self.proj_in = nn.Sequential(
-            nn.Conv2d(1, 25, (1, 49), (1, 25), (0, 24)), nn.GroupNorm(5, 25), nn.GELU(),
-            nn.Conv2d(25, 25, (1, 3), (1, 1), (0, 1)), nn.GroupNorm(5, 25), nn.GELU(),
-            nn.Conv2d(25, 25, (1, 3), (1, 1), (0, 1)), nn.GroupNorm(5, 25), nn.GELU(),
-        )
-        self.spectral_proj = nn.Sequential(nn.Linear(101, 200), nn.Dropout(0.1))
-
-    def forward(self, x, mask=None):
-        bz, ch, pn, ps = x.shape
-        if mask is None:
-            mask_x = x
-        else:
-            mask_x = x.clone()
-            mask_x[mask == 1] = self.mask_encoding
-        mask_x = mask_x.contiguous().view(bz, 1, ch * pn, ps)
-        emb = self.proj_in(mask_x).permute(0, 2, 1, 3).contiguous().view(bz, ch, pn, 200)
-        spec = torch.abs(torch.fft.rfft(mask_x.contiguous().view(bz * ch * pn, ps), dim=-1, norm="forward"))
-        emb = emb + self.spectral_proj(spec.contiguous().view(bz, ch, pn, 101))
-        return emb + self.positional_encoding(emb.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
-
-
-class OfficialLayer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.self_attn_s = nn.MultiheadAttention(100, 4, dropout=0.1, batch_first=True)
-        self.self_attn_t = nn.MultiheadAttention(100, 4, dropout=0.1, batch_first=True)
-        self.linear1, self.linear2 = nn.Linear(200, 800), nn.Linear(800, 200)
-        self.norm1, self.norm2 = nn.LayerNorm(200), nn.LayerNorm(200)
-        self.dropout, self.dropout1, self.dropout2 = nn.Dropout(0.1), nn.Dropout(0.1), nn.Dropout(0.1)
-
-    def forward(self, x):
-        h = self.norm1(x)
-        bz, ch, pn, d = h.shape
-        xs = h[:, :, :, : d // 2].transpose(1, 2).contiguous().view(bz * pn, ch, d // 2)
-        xt = h[:, :, :, d // 2 :].contiguous().view(bz * ch, pn, d // 2)
-        xs = self.self_attn_s(xs, xs, xs, need_weights=False)[0].contiguous().view(bz, pn, ch, d // 2).transpose(1, 2)
-        xt = self.self_attn_t(xt, xt, xt, need_weights=False)[0].contiguous().view(bz, ch, pn, d // 2)
-        x = x + self.dropout1(torch.concat((xs, xt), dim=3))
-        return x + self.dropout2(self.linear2(self.dropout(F.gelu(self.linear1(self.norm2(x))))))
-
-
-class OfficialCBraMod(nn.Module):
-    def __init__(self, n_layers=12):
-        super().__init__()
-        self.patch_embedding = OfficialPatchEmbedding()
-        self.layers = nn.ModuleList([OfficialLayer() for _ in range(n_layers)])
-        self.proj_out = nn.Sequential(nn.Linear(200, 200))
+class OfficialCBraMod(RefCBraMod):
+    """The package's restatement of the official forward, on unpatched (B, C, T) input."""
 
     def forward_features(self, x):
         b, c, t = x.shape
-        h = self.patch_embedding(x.view(b, c, t // 200, 200))
-        for layer in self.layers:
-            h = layer(h)
-        return h
+        return self.features(x.view(b, c, t // 200, 200))
 
     def forward_reconstruction(self, x, mask):
         b, c, t = x.shape
-        h = self.patch_embedding(x.view(b, c, t // 200, 200), mask)
-        for layer in self.layers:
-            h = layer(h)
-        return self.proj_out(h)
+        return self(x.view(b, c, t // 200, 200), mask)
 
 
 # ----------------------------------------------------------------------------- timing
