@@ -89,14 +89,13 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(arg, value, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
+            except ConfigError:
+                pass
         raise ConfigError(f"{where}: {value!r} does not fit {tp}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):

@@ -545,7 +545,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
     return directory
 
 
-def _create_from_saved(directory: Path, config: dict[str, Any], pretrained: Any, kwargs: dict[str, Any]) -> nn.Module:
+def _create_from_saved(directory: Path, config: dict[str, Any], kwargs: dict[str, Any]) -> nn.Module:
     from safetensors.torch import load_model
 
     meta = config["domainfm"]
@@ -602,7 +602,7 @@ def create_model(
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         if "domainfm" not in config:
             raise HubError(f"{path}: not a domainfm model directory (no 'domainfm' block in {config_file})")
-        return _create_from_saved(path, config, pretrained, kwargs)
+        return _create_from_saved(path, config, kwargs)
     name = str(name)
     model = zoo.build_model(name, **kwargs)
     if pretrained is not False and pretrained is not None:
