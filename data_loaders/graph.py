@@ -1,8 +1,11 @@
 """Graphs for GIT: validation, CSR neighbour sampling, task-trees, text features, shipped graphs.
 
-Everything here is plain torch + torch-geometric from PyPI (no pyg-lib / torch-sparse): neighbour
-sampling and task-tree construction are vectorised over all roots of a batch (no Python loop per
-node or per edge).
+Everything here works on plain torch + torch-geometric from PyPI (no pyg-lib / torch-sparse).
+Neighbour sampling and task-tree construction run over all roots of a batch at once, with no
+Python loop per node or per edge, on one of two interchangeable paths that build identical trees
+for a seeded generator: compiled numba kernels, one fused pass per tree level
+(:mod:`domainfm.data_loaders._graph_numba`, the default), and vectorised torch operations
+(``DOMAINFM_GRAPH_BACKEND=torch``, or when numba cannot be imported).
 
 Task-trees (GIT, ICML 2025, https://arxiv.org/abs/2412.16441). Every node-, edge- and graph-level
 task is a tree rooted at the task:
@@ -31,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Protocol, Sequence
@@ -158,83 +162,103 @@ def build_csr(edge_index: Tensor, num_nodes: int) -> CSR:
 
 def _segment_arange(counts: Tensor) -> tuple[Tensor, Tensor]:
     """For segments of the given lengths: (segment id, offset within segment) of every element."""
-    seg = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    seg = torch.repeat_interleave(counts)
     starts = torch.cumsum(counts, 0) - counts
-    offset = torch.arange(seg.numel()) - starts[seg]
+    offset = torch.arange(seg.numel()) - starts.index_select(0, seg)
     return seg, offset
 
 
-def _rand(shape, generator: torch.Generator | None) -> Tensor:
-    return torch.rand(shape, generator=generator, dtype=torch.float64)
+def _nonzero(mask: Tensor) -> Tensor:
+    """Positions of the true entries of a 1-D bool tensor (NumPy's flatnonzero is several times
+    faster than ``torch.nonzero`` on CPU)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy())).long()
+    return mask.nonzero().squeeze(1)
 
 
-# Below this multiple of the fan-out, sampling without replacement ranks random keys over every
-# neighbour slot (cost: the degree); above it, draws with replacement and redraws duplicates
-# (cost: the fan-out, with few redraws since collisions are rare when degree >> fan-out).
-_DENSE_FACTOR = 8
+# Up to this fan-out, rows with more neighbours than the fan-out use Floyd's algorithm (k vectorised
+# steps, independent of the degree); above it, random keys ranked within each row (one sort over
+# every neighbour slot of those rows).
+_FLOYD_MAX_FANOUT = 64
+
+
+def _floyd(deg: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
+    """(R, k) distinct offsets in ``[0, deg[r])`` per row, a uniform k-subset, by Floyd's algorithm:
+    for j = d-k .. d-1 draw t uniform in [0, j] and take j instead when t is already chosen (j
+    itself never is). Needs deg > k.
+
+    The k steps run in NumPy on the (CPU) index tensors (a NumPy op on a few thousand elements
+    costs a fraction of a torch dispatch); the random numbers come from ``generator``. "Already
+    chosen" is one bit test for rows whose degree fits a 63-bit mask, a comparison with the row's
+    earlier picks for the others."""
+    rows = deg.numel()
+    u = torch.rand((k, rows), generator=generator, dtype=torch.float64).numpy()  # one RNG call
+    d = deg.cpu().numpy()
+    j = (d - k)[None, :] + np.arange(k)[:, None]  # (k, R): the j of every step
+    # uniform in [0, j]; float64 is exact far beyond any degree, the minimum guards rounding
+    out = np.minimum((u * (j + 1)).astype(np.int64), j)
+    narrow = d < 63
+    if narrow.all():
+        mask = np.zeros(rows, dtype=np.int64)
+        one = np.ones(rows, dtype=np.int64)
+        for i in range(k):
+            t = out[i]
+            if i:
+                np.copyto(t, j[i], where=(mask & (one << t)) != 0)
+            mask |= one << t
+    else:
+        for i in range(1, k):
+            np.copyto(out[i], j[i], where=(out[:i] == out[i]).any(0))
+    return torch.from_numpy(np.ascontiguousarray(out.T)).to(deg.device)
+
+
+def _ranked_keys(deg: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
+    """Same contract as :func:`_floyd` for large ``k``: rank random keys within each row."""
+    seg, off = _segment_arange(deg)
+    order = torch.argsort(seg.double() + torch.rand(seg.numel(), generator=generator, dtype=torch.float64))
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel()) - (torch.cumsum(deg, 0) - deg).index_select(0, seg.index_select(0, order))
+    keep = rank < k
+    # rank < k holds exactly k slots per row; order them by row (stable: seg is non-decreasing)
+    return off[keep].reshape(deg.numel(), k)
 
 
 def sample_neighbors(csr: CSR, nodes: Tensor, fanout: int, generator: torch.Generator | None = None
                      ) -> tuple[Tensor, Tensor, Tensor]:
     """Sample up to ``fanout`` distinct in-neighbour slots of every node in ``nodes``.
 
-    Uniform without replacement; every neighbour when the degree is at most ``fanout`` or
-    ``fanout < 0``. Reproducible for a seeded ``generator`` (the global RNG when ``None``).
+    Uniform without replacement (every ``min(deg, fanout)``-subset of a node's in-edges is equally
+    likely); every neighbour when the degree is at most ``fanout`` or ``fanout < 0``. Reproducible
+    for a seeded ``generator`` (the global RNG when ``None``). Vectorised over ``nodes``: the only
+    Python loop is Floyd's ``fanout`` steps, each one tensor operation over all nodes at once.
 
     Returns ``(neighbors, parent, eid)``: the sampled neighbour ids, the position in ``nodes`` of
     the node each was sampled for (non-decreasing: output grouped by parent, in ``nodes`` order),
     and the sampled edges' ids in the original ``edge_index``.
     """
-    nodes = nodes.long()
+    slot, parent = _sample_slots(csr, nodes.long(), fanout, generator)
+    return csr.col.index_select(0, slot), parent, csr.eid.index_select(0, slot)
+
+
+def _sample_slots(csr: CSR, nodes: Tensor, fanout: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """:func:`sample_neighbors` as (slots into ``csr.col``/``csr.eid``, parent positions)."""
     if fanout == 0 or nodes.numel() == 0:
         empty = torch.empty(0, dtype=torch.long)
-        return empty, empty, empty.clone()
-    deg = csr.degree(nodes)
-    start = csr.rowptr[nodes]
-    take_all = deg <= fanout if fanout > 0 else torch.ones_like(deg, dtype=torch.bool)
-    parents, slots = [], []
-
-    idx_all = take_all.nonzero().flatten()
-    if idx_all.numel():
-        seg, off = _segment_arange(deg[idx_all])
-        parents.append(idx_all[seg])
-        slots.append(start[idx_all][seg] + off)
-
-    dense = (~take_all) & (deg <= _DENSE_FACTOR * fanout)
-    idx_dense = dense.nonzero().flatten()
-    if idx_dense.numel():
-        d = deg[idx_dense]
-        seg, off = _segment_arange(d)
-        # rank random keys within each segment: sort by (segment, key) in one pass
-        order = torch.argsort(seg.double() + _rand(seg.numel(), generator))
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel()) - (torch.cumsum(d, 0) - d)[seg[order]]
-        keep = rank < fanout
-        parents.append(idx_dense[seg[keep]])
-        slots.append(start[idx_dense][seg[keep]] + off[keep])
-
-    idx_sparse = ((~take_all) & ~dense).nonzero().flatten()
-    if idx_sparse.numel():
-        d = deg[idx_sparse].unsqueeze(1)
-        draw = (_rand((idx_sparse.numel(), fanout), generator) * d).long()
-        for _ in range(64):
-            draw, _ = torch.sort(draw, dim=1)
-            dup = torch.zeros_like(draw, dtype=torch.bool)
-            dup[:, 1:] = draw[:, 1:] == draw[:, :-1]
-            if not dup.any():
-                break
-            redraw = (_rand((idx_sparse.numel(), fanout), generator) * d).long()
-            draw = torch.where(dup, redraw, draw)
-        else:  # pragma: no cover - probability ~0; keeps the contract anyway
-            raise RuntimeError("neighbour sampling did not converge")
-        parents.append(idx_sparse.repeat_interleave(fanout))
-        slots.append((start[idx_sparse].unsqueeze(1) + draw).flatten())
-
-    parent = torch.cat(parents)
-    slot = torch.cat(slots)
-    order = torch.argsort(parent, stable=True)
-    parent, slot = parent[order], slot[order]
-    return csr.col[slot], parent, csr.eid[slot]
+        return empty, empty.clone()
+    start = csr.rowptr.index_select(0, nodes)
+    deg = csr.rowptr.index_select(0, nodes + 1) - start
+    counts = deg if fanout < 0 else deg.clamp(max=fanout)
+    parent, off = _segment_arange(counts)
+    if fanout > 0:
+        big = _nonzero(deg > fanout)
+        if big.numel():
+            d = deg.index_select(0, big)
+            pick = _floyd(d, fanout, generator) if fanout <= _FLOYD_MAX_FANOUT else _ranked_keys(d, fanout, generator)
+            # a big row's k outputs are contiguous, starting at its segment start
+            first = (torch.cumsum(counts, 0) - counts).index_select(0, big)
+            where = (first.unsqueeze(1) + torch.arange(fanout)).flatten()
+            off.index_copy_(0, where, pick.flatten())
+    return start.index_select(0, parent) + off, parent
 
 
 # --------------------------------------------------------------------------- task-trees
@@ -368,38 +392,49 @@ def build_task_trees(
     if n_tasks == 0:
         raise GraphError("no tasks given (empty index)")
 
-    forest = _Forest(shared)
-    task_range = torch.arange(n_tasks)
+    forest = _Forest(shared, num_nodes)
+    want_eid = edge_attr is not None
     if virtual_root:
         roots = forest.add_virtual(n_tasks)
-        members = _task_members(task, index, ptr)
-        child, parent, eid = sample_neighbors(members, task_range, fanouts[0], generator)
-        frontier = forest.attach(child, roots[parent], eid, depth=1, tree=parent)
+        if task != "graph" and (fanouts[0] < 0 or fanouts[0] >= (1 if task == "node" else 2)):
+            # every task node is a child of its virtual root: no sampling needed
+            child = index.flatten() if task == "node" else index.t().reshape(-1)  # u0, v0, u1, v1, ...
+            parent = roots if task == "node" else torch.arange(2 * n_tasks) >> 1
+        else:
+            members = _task_members(task, index, ptr)
+            slot, parent = _sample_slots(members, torch.arange(n_tasks), fanouts[0], generator)
+            child = members.col.index_select(0, slot)
+        frontier, front_ids, front_tree = forest.attach(child, parent, None, depth=1, tree=parent)
         levels = fanouts[1:]
         depth = 1
     else:
         first = index.flatten() if task == "node" else index.t().reshape(-1)  # u0, v0, u1, v1, ...
-        owner = task_range if task == "node" else task_range.repeat_interleave(2)
-        first_pos = forest.add_roots(first, owner)
+        owner = torch.arange(n_tasks) if task == "node" else torch.arange(2 * n_tasks) >> 1
+        first_pos, frontier, front_ids, front_tree = forest.add_roots(first, owner)
         roots = first_pos if task == "node" else first_pos.reshape(n_tasks, 2).t().contiguous()
-        frontier = torch.unique(first_pos) if shared else first_pos
         levels = fanouts
         depth = 0
     for fanout in levels:
         depth += 1
-        child, parent, eid = sample_neighbors(csr, forest.node_id[frontier], fanout, generator)
-        frontier = forest.attach(child, frontier[parent], eid, depth=depth, tree=forest.tree[frontier[parent]])
+        # the frontier is the level appended last, a contiguous range of positions
+        front_start = int(frontier[0]) if frontier.numel() else 0
+        frontier, front_ids, front_tree = forest.expand(csr, front_ids, front_start, front_tree, fanout, depth=depth,
+                                                        want_eid=want_eid, generator=generator)
 
     node_id = forest.node_id
-    real = node_id >= 0
-    feats = torch.zeros((node_id.numel(), x.shape[1]), dtype=x.dtype)
-    feats[real] = x[node_id[real]]
-    tree_edges, tree_eid = forest.edges()
+    n_virtual = n_tasks if virtual_root else 0  # virtual roots come first, real nodes after
+    feats = x.new_empty((node_id.numel(), x.shape[1]))
+    feats[:n_virtual] = 0
+    torch.index_select(x, 0, node_id[n_virtual:], out=feats[n_virtual:])
+    tree_edges = forest.edges()
     tree_edge_attr = None
-    if edge_attr is not None:
-        tree_edge_attr = torch.zeros((tree_eid.numel(), edge_attr.shape[1]), dtype=edge_attr.dtype)
-        has = tree_eid >= 0
-        tree_edge_attr[has] = edge_attr[tree_eid[has]]
+    if want_eid:
+        # the virtual roots' edges come first (no graph edge behind them), graph edges after
+        tree_eid = forest.edge_ids()
+        n_root_edges = tree_edges.shape[1] - tree_eid.numel()
+        tree_edge_attr = edge_attr.new_empty((tree_edges.shape[1], edge_attr.shape[1]))
+        tree_edge_attr[:n_root_edges] = 0
+        torch.index_select(edge_attr, 0, tree_eid, out=tree_edge_attr[n_root_edges:])
     return TaskTreeBatch(
         x=feats, edge_index=tree_edges, node_id=node_id, depth=forest.depth, tree=forest.tree,
         roots=roots, task=task, virtual_root=virtual_root, edge_attr=tree_edge_attr,
@@ -407,69 +442,188 @@ def build_task_trees(
     )
 
 
-class _Forest:
-    """Growing node/edge lists of a batch of task-trees (unrolled or with shared nodes)."""
+class _IdMaps(threading.local):
+    """Per-thread graph-node-id -> value maps for :class:`_Forest` (shared form), never cleared:
+    every build takes values above all earlier ones, so entries from earlier builds read as absent
+    (O(nodes touched) per build instead of O(graph size) or a sort)."""
 
-    def __init__(self, shared: bool):
+    def __init__(self):
+        self.pos = torch.zeros(0, dtype=torch.long)  # base + tree-local position
+        self.first = torch.zeros(0, dtype=torch.long)  # first occurrence within one dedupe call
+        self.pos_base = 1
+        self.first_base = 1
+
+    def reserve(self, num_nodes: int) -> None:
+        if self.pos.numel() < num_nodes:
+            self.pos = torch.zeros(num_nodes, dtype=torch.long)
+            self.first = torch.zeros(num_nodes, dtype=torch.long)
+
+
+_ID_MAPS = _IdMaps()
+
+_BACKENDS = ("numba", "torch")
+
+
+def _numba_kernels():
+    """The compiled kernels, or ``None`` when the torch path is asked for or numba is missing."""
+    want = os.environ.get("DOMAINFM_GRAPH_BACKEND", "numba").strip().lower()
+    if want not in _BACKENDS:
+        raise GraphError(f"DOMAINFM_GRAPH_BACKEND={want!r}: expected one of {_BACKENDS}")
+    if want == "torch":
+        return None
+    try:
+        from domainfm.data_loaders import _graph_numba
+    except ImportError:  # numba not installed: the vectorised torch path does the same work
+        return None
+    return _graph_numba
+
+
+class _Forest:
+    """Growing node/edge lists of a batch of task-trees (unrolled, or with shared nodes).
+
+    Nodes are appended level by level (so ``depth`` is non-decreasing), virtual roots first. In the
+    shared form a graph node gets one tree node, found through :data:`_ID_MAPS`, and ``tree`` is -1
+    below the roots.
+    """
+
+    def __init__(self, shared: bool, num_nodes: int):
         self.shared = shared
-        self.node_id = torch.empty(0, dtype=torch.long)
-        self.depth = torch.empty(0, dtype=torch.long)
-        self.tree = torch.empty(0, dtype=torch.long)
+        self.size = 0
+        self._ids: list[Tensor] = []
+        self._sizes: list[int] = []
+        self._tree: list[Tensor | None] = []  # None: shared nodes (-1)
         self._src: list[Tensor] = []
         self._dst: list[Tensor] = []
         self._eid: list[Tensor] = []
+        if shared:
+            _ID_MAPS.reserve(num_nodes)
+            self._maps = _ID_MAPS
+            self._base = self._maps.pos_base  # this build's map values are base + position
 
-    def _append(self, ids: Tensor, depth: int, tree: Tensor) -> Tensor:
-        start = self.node_id.numel()
-        self.node_id = torch.cat([self.node_id, ids])
-        self.depth = torch.cat([self.depth, torch.full((ids.numel(),), depth, dtype=torch.long)])
-        self.tree = torch.cat([self.tree, tree])
-        return start + torch.arange(ids.numel())
+    def _append(self, ids: Tensor, tree: Tensor | None) -> Tensor:
+        start = self.size
+        self.size += ids.numel()
+        self._ids.append(ids)
+        self._sizes.append(ids.numel())
+        self._tree.append(tree)
+        return torch.arange(start, self.size)
 
     def add_virtual(self, n: int) -> Tensor:
-        return self._append(torch.full((n,), -1, dtype=torch.long), 0, torch.arange(n))
+        return self._append(torch.full((n,), -1, dtype=torch.long), torch.arange(n))
 
-    def _lookup(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Positions of ``ids`` among the real nodes so far (-1 when absent); unique ids and inverse."""
-        uniq, inverse = torch.unique(ids, return_inverse=True)
-        real_pos = (self.node_id >= 0).nonzero().flatten()
-        pos = torch.full_like(uniq, -1)
-        if real_pos.numel():
-            known, order = torch.sort(self.node_id[real_pos])
-            where = torch.searchsorted(known, uniq).clamp(max=known.numel() - 1)
-            found = known[where] == uniq
-            pos[found] = real_pos[order[where[found]]]
-        return pos, uniq, inverse
+    def _place(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Shared form: append the ids not placed yet (in first-occurrence order) as one level.
+        Returns (positions of all ``ids``, positions of the new nodes, their ids)."""
+        m = self._maps
+        n = ids.numel()
+        known = m.pos.index_select(0, ids) >= self._base
+        # first occurrence of each id: the largest stamp (first_base + n - 1 - i); deterministic
+        stamp = torch.arange(m.first_base + n - 1, m.first_base - 1, -1)
+        m.first.scatter_reduce_(0, ids, stamp, reduce="amax")
+        m.first_base += n
+        new = (m.first.index_select(0, ids) == stamp) & ~known
+        new_ids = ids.index_select(0, _nonzero(new))
+        new_pos = self._append(new_ids, None)
+        m.pos.index_copy_(0, new_ids, new_pos + self._base)
+        m.pos_base = max(m.pos_base, self._base + self.size)
+        return m.pos.index_select(0, ids) - self._base, new_pos, new_ids
 
-    def add_roots(self, ids: Tensor, owner: Tensor) -> Tensor:
+    def _place_any(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        kernels = _numba_kernels() if ids.device.type == "cpu" else None
+        if kernels is None:
+            return self._place(ids)
+        m = self._maps
+        pos, new_ids = kernels.place(ids.numpy(), m.pos.numpy(), self._base, self.size)
+        new_ids = torch.from_numpy(new_ids)
+        new_pos = self._append(new_ids, None)
+        m.pos_base = max(m.pos_base, self._base + self.size)
+        return torch.from_numpy(pos), new_pos, new_ids
+
+    def add_roots(self, ids: Tensor, owner: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Returns (the roots' positions, then the positions, ids and trees to expand next)."""
         if not self.shared:
-            return self._append(ids, 0, owner)
-        uniq, inverse = torch.unique(ids, return_inverse=True)
-        pos = self._append(uniq, 0, torch.full((uniq.numel(),), -1, dtype=torch.long))
-        if uniq.numel() == ids.numel():  # every root its own node: keep the owner
-            self.tree[pos[inverse]] = owner
-        return pos[inverse]
+            pos = self._append(ids, owner)
+            return pos, pos, ids, owner
+        pos, new_pos, new_ids = self._place_any(ids)
+        tree = owner if new_pos.numel() == ids.numel() else torch.full((new_pos.numel(),), -1, dtype=torch.long)
+        self._tree[-1] = tree  # every root its own node: keep the owner
+        return pos, new_pos, new_ids, tree
 
-    def attach(self, child_ids: Tensor, parent_pos: Tensor, eid: Tensor, *, depth: int, tree: Tensor) -> Tensor:
-        """Add sampled children under their parents; returns the positions to expand next."""
+    def attach(self, child_ids: Tensor, parent_pos: Tensor, eid: Tensor | None, *, depth: int,
+               tree: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Add sampled children under their parents as level ``depth`` (``eid``: the graph edges
+        behind the new tree edges, ``None`` for a virtual root's). Returns the positions, ids and
+        trees (``None`` in the shared form) of the nodes to expand next."""
+        if len(self._sizes) != depth:
+            raise AssertionError("levels must be added in order")
         if not self.shared:
-            pos = self._append(child_ids, depth, tree)
-            child_pos, frontier = pos, pos
+            child_pos = frontier = self._append(child_ids, tree)
+            front_ids = child_ids
         else:
-            known, uniq, inverse = self._lookup(child_ids)
-            new = known < 0
-            new_pos = self._append(uniq[new], depth, torch.full((int(new.sum()),), -1, dtype=torch.long))
-            known[new] = new_pos
-            child_pos, frontier = known[inverse], new_pos
+            child_pos, frontier, front_ids = self._place_any(child_ids)
         self._src.append(child_pos)
         self._dst.append(parent_pos)
-        self._eid.append(eid)
-        return frontier
+        if eid is not None:
+            self._eid.append(eid)
+        return frontier, front_ids, self._tree[-1]
 
-    def edges(self) -> tuple[Tensor, Tensor]:
-        if not self._src:
-            return torch.empty(2, 0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-        return torch.stack([torch.cat(self._src), torch.cat(self._dst)]), torch.cat(self._eid)
+    def expand(self, csr: CSR, front_ids: Tensor, front_start: int, front_tree: Tensor | None, fanout: int, *,
+               depth: int, want_eid: bool, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Sample up to ``fanout`` in-neighbours of the frontier (ids ``front_ids``, positions
+        ``front_start ..``) and attach them as level ``depth``; returns what :meth:`attach` does."""
+        kernels = _numba_kernels() if front_ids.device.type == "cpu" and fanout <= _FLOYD_MAX_FANOUT else None
+        if kernels is None:
+            slot, parent = _sample_slots(csr, front_ids, fanout, generator)
+            return self.attach(csr.col.index_select(0, slot), parent + front_start,
+                               csr.eid.index_select(0, slot) if want_eid else None, depth=depth,
+                               tree=None if self.shared else front_tree.index_select(0, parent))
+        if len(self._sizes) != depth:
+            raise AssertionError("levels must be added in order")
+        rowptr, front = csr.rowptr.numpy(), front_ids.contiguous().numpy()
+        n_big = kernels.count_big(rowptr, front, fanout) if fanout > 0 else 0
+        # the same random numbers, drawn the same way, as the torch path's _floyd
+        u = (torch.rand((fanout, n_big), generator=generator, dtype=torch.float64) if n_big
+             else torch.zeros((1, 1), dtype=torch.float64))
+        base = self._base if self.shared else 0
+        pos_map = self._maps.pos.numpy() if self.shared else np.zeros(1, dtype=np.int64)
+        child_pos, parent, eids, new_ids = kernels.expand_level(
+            rowptr, csr.col.numpy(), csr.eid.numpy(), front, fanout, u.numpy(), pos_map, base, self.size,
+            self.shared, want_eid)
+        child_pos, parent, new_ids = torch.from_numpy(child_pos), torch.from_numpy(parent), torch.from_numpy(new_ids)
+        frontier = self._append(new_ids, None if self.shared else front_tree.index_select(0, parent))
+        if self.shared:
+            self._maps.pos_base = max(self._maps.pos_base, self._base + self.size)
+        self._src.append(child_pos)
+        self._dst.append(parent + front_start)
+        if want_eid:
+            self._eid.append(torch.from_numpy(eids))
+        return frontier, new_ids, self._tree[-1]
+
+    @property
+    def node_id(self) -> Tensor:
+        return torch.cat(self._ids)
+
+    @property
+    def depth(self) -> Tensor:
+        return torch.repeat_interleave(torch.arange(len(self._sizes)), torch.tensor(self._sizes, dtype=torch.long),
+                                       output_size=self.size)
+
+    @property
+    def tree(self) -> Tensor:
+        parts = [t if t is not None else torch.full((k,), -1, dtype=torch.long) for t, k in zip(self._tree, self._sizes)]
+        return torch.cat(parts)
+
+    def edges(self) -> Tensor:
+        total = sum(e.numel() for e in self._src)
+        out = torch.empty((2, total), dtype=torch.long)
+        if total:
+            torch.cat(self._src, out=out[0])
+            torch.cat(self._dst, out=out[1])
+        return out
+
+    def edge_ids(self) -> Tensor:
+        """Graph-edge ids of the tree edges that have one (every level below a virtual root's)."""
+        return torch.cat(self._eid) if self._eid else torch.empty(0, dtype=torch.long)
 
 
 # --------------------------------------------------------------------------- text features

@@ -41,7 +41,7 @@ def test_sampler_respects_fanout_distinct_and_real_neighbours(fanout):
 
 
 def test_sampler_large_degree_path_and_reproducibility():
-    # a hub with 1000 in-neighbours exercises the with-replacement-and-redraw path (deg > 8 * fanout)
+    # a hub with 1000 in-neighbours exercises Floyd's comparison path (degree beyond a 63-bit mask)
     n = 1001
     ei = torch.stack([torch.arange(1, n), torch.zeros(n - 1, dtype=torch.long)])
     csr = G.build_csr(ei, n)
@@ -56,6 +56,126 @@ def test_sampler_large_degree_path_and_reproducibility():
     assert all(len(set(r.tolist())) == 10 for r in per_row)
     # uniform: over 50 x 10 draws every neighbour is equally likely (mean id ~ 500)
     assert 400 < per_row.float().mean() < 600
+
+
+def _subset_counts(csr, node, fanout, draws, seed):
+    nb, parent, _ = G.sample_neighbors(csr, torch.full((draws,), node), fanout, torch.Generator().manual_seed(seed))
+    rows = nb.reshape(draws, fanout).sort(dim=1).values
+    _, counts = torch.unique(rows, dim=0, return_counts=True)
+    return counts
+
+
+@pytest.mark.parametrize("degree,fanout", [(5, 3), (12, 10), (70, 2)])
+def test_sampler_draws_every_subset_uniformly(degree, fanout):
+    """Without replacement, every fanout-subset of the in-edges is equally likely: a chi-square test
+    over all C(degree, fanout) subsets (bit-mask path for small degrees, comparisons for 70)."""
+    from math import comb
+
+    from scipy.stats import chisquare
+
+    ei = torch.stack([torch.arange(1, degree + 1), torch.zeros(degree, dtype=torch.long)])
+    csr = G.build_csr(ei, degree + 1)
+    n_subsets = comb(degree, fanout)
+    draws = 60 * n_subsets
+    counts = _subset_counts(csr, 0, fanout, draws, seed=3)
+    assert counts.numel() == n_subsets  # every subset occurs
+    assert chisquare(counts.numpy()).pvalue > 1e-3
+    if n_subsets == 10:  # the test has power: moving 2/3 of one subset's draws to another fails it
+        biased = counts.clone()
+        biased[0] += 40
+        biased[1] -= 40
+        assert chisquare(biased.numpy()).pvalue < 1e-3
+
+
+def test_sampler_fanout_above_floyd_limit_uses_ranked_keys():
+    n = 201
+    ei = torch.stack([torch.arange(1, n), torch.zeros(n - 1, dtype=torch.long)])
+    csr = G.build_csr(ei, n)
+    nb, parent, _ = G.sample_neighbors(csr, torch.zeros(400, dtype=torch.long), 100, torch.Generator().manual_seed(1))
+    rows = nb.reshape(400, 100)
+    assert all(len(set(r.tolist())) == 100 for r in rows)
+    # each neighbour is in a sample with probability 100/200
+    freq = torch.bincount(nb, minlength=n)[1:].float() / 400
+    assert abs(freq.mean() - 0.5) < 1e-6 and freq.min() > 0.38 and freq.max() < 0.62
+
+
+def _tree_cases():
+    torch.manual_seed(0)
+    n = 300
+    ei = torch.randint(0, n, (2, 4000))
+    hub = torch.stack([torch.arange(1, 100), torch.zeros(99, dtype=torch.long)])  # a degree-99 node
+    ei = torch.cat([ei, hub], 1)
+    x, ea = torch.randn(n, 5), torch.randn(ei.shape[1], 3)
+    ptr = torch.tensor([0, 100, 200, 300])
+    tasks = [("node", torch.randint(0, n, (50,))), ("edge", ei[:, :40]), ("graph", torch.tensor([0, 2, 1, 2]))]
+    for task, index in tasks:
+        for virtual_root in (True, False):
+            if task == "graph" and not virtual_root:
+                continue
+            for shared in (True, False):
+                for fanouts in ([10, 10], [3, -1], [2, 70], [-1, 5, 3]):
+                    yield x, ei, ea, ptr, task, index, virtual_root, shared, fanouts
+
+
+def test_numba_and_torch_paths_build_identical_trees(monkeypatch):
+    pytest.importorskip("numba")
+    checked = 0
+    for x, ei, ea, ptr, task, index, virtual_root, shared, fanouts in _tree_cases():
+        built = {}
+        for backend in ("torch", "numba"):
+            monkeypatch.setenv("DOMAINFM_GRAPH_BACKEND", backend)
+            built[backend] = G.build_task_trees(x, ei, task, index, fanouts, ptr=ptr, virtual_root=virtual_root,
+                                                shared=shared, edge_attr=ea, generator=torch.Generator().manual_seed(5))
+        for field, value in built["torch"].__dict__.items():
+            other = built["numba"].__dict__[field]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, other), (task, virtual_root, shared, fanouts, field)
+            else:
+                assert value == other
+        checked += 1
+    assert checked == 40
+
+
+def test_unknown_graph_backend_is_named(monkeypatch):
+    x, ei = _star_and_path()
+    monkeypatch.setenv("DOMAINFM_GRAPH_BACKEND", "pyg-lib")
+    with pytest.raises(G.GraphError, match="DOMAINFM_GRAPH_BACKEND='pyg-lib'"):
+        G.build_task_trees(x, ei, "node", torch.tensor([0]), [10, 10], shared=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_trees_built_in_threads_equal_sequential_builds(backend, monkeypatch):
+    """The shared form's id maps are per thread: concurrent builds do not see each other's nodes."""
+    import threading
+
+    if backend == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("DOMAINFM_GRAPH_BACKEND", backend)
+    torch.manual_seed(2)
+    n = 500
+    ei = torch.randint(0, n, (2, 5000))
+    x = torch.randn(n, 4)
+    csr = G.build_csr(ei, n)
+    jobs = [ei[:, 100 * i:100 * i + 300] for i in range(6)]
+
+    def build(i):
+        return G.build_task_trees(x, None, "edge", jobs[i], [10, 10], csr=csr, shared=True,
+                                  generator=torch.Generator().manual_seed(i))
+
+    expected = [build(i) for i in range(len(jobs))]
+    got = [None] * len(jobs)
+
+    def worker(i):
+        for _ in range(5):
+            got[i] = build(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, b in zip(expected, got):
+        assert torch.equal(a.node_id, b.node_id) and torch.equal(a.edge_index, b.edge_index)
 
 
 def test_node_task_trees_virtual_root_form():
