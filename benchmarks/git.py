@@ -5,7 +5,9 @@
 Prints
 1. task-trees built per second for node, edge and graph tasks on a random graph with ``--nodes``
    nodes and ``--edges`` undirected edges (graph tasks: the graph cut into 100 equal graphs), fan-out
-   10, 2 levels, virtual roots, nodes shared within a batch (as PyG's NeighborLoader);
+   10, 2 levels, virtual roots, nodes shared within a batch (as PyG's NeighborLoader) or unrolled;
+   on the default path (numba kernels when importable) and, for edges, on the vectorised torch path
+   (``DOMAINFM_GRAPH_BACKEND=torch``), which builds the same trees;
 2. next to it, the official code's per-edge Python loop that adds one virtual node per edge
    (``VirtualNodeAugmentor.add_virtual_nodes_edge_classification``, re-implemented here with the
    same loop body and ``to_undirected``) -- counted in edges per second, *without* the neighbour
@@ -18,6 +20,7 @@ Prints
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import time
 
@@ -77,13 +80,26 @@ def bench_trees(args) -> None:
     n_graphs = 100
     ptr = torch.linspace(0, args.nodes, n_graphs + 1).long()
     graph_idx = torch.randint(0, n_graphs, (B,), generator=gen)
-    print(f"task-trees on a random graph: {args.nodes} nodes, {ei.shape[1]} directed edges; batch {B}, fan-out {fan}")
+    backend = "numba" if G._numba_kernels() is not None else "torch"
+    print(f"task-trees on a random graph: {args.nodes} nodes, {ei.shape[1]} directed edges; batch {B}, fan-out {fan}; "
+          f"default path: {backend}")
     rates = {}
     for task, index in (("node", node_idx), ("edge", edge_idx), ("graph", graph_idx)):
         for shared in (True, False):
             rates[task, shared] = _rate(lambda: G.build_task_trees(x, None, task, index, fan, csr=csr, ptr=ptr,
                                                                    shared=shared, generator=gen), B)
             print(f"  {task:5s} trees/s ({'shared nodes' if shared else 'unrolled    '}): {rates[task, shared]:12,.0f}")
+    previous = os.environ.get("DOMAINFM_GRAPH_BACKEND")
+    os.environ["DOMAINFM_GRAPH_BACKEND"] = "torch"
+    try:
+        torch_rate = _rate(lambda: G.build_task_trees(x, None, "edge", edge_idx, fan, csr=csr, shared=True,
+                                                      generator=gen), B)
+    finally:
+        if previous is None:
+            del os.environ["DOMAINFM_GRAPH_BACKEND"]
+        else:
+            os.environ["DOMAINFM_GRAPH_BACKEND"] = previous
+    print(f"  edge  trees/s (shared nodes, torch path): {torch_rate:12,.0f}")
     sub = ei  # every directed edge, as the official augmentation does
     loop_rate = _rate(lambda: official_edge_loop(sub, args.nodes), sub.shape[1], repeat=3, inner=1)
     print(f"  official per-edge loop (virtual nodes only, no sampling): {loop_rate:12,.0f} edges/s")

@@ -35,6 +35,7 @@ import hashlib
 import importlib.resources
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Protocol, Sequence
@@ -445,23 +446,28 @@ def build_task_trees(
 class _IdMaps(threading.local):
     """Per-thread graph-node-id -> value maps for :class:`_Forest` (shared form), never cleared:
     every build takes values above all earlier ones, so entries from earlier builds read as absent
-    (O(nodes touched) per build instead of O(graph size) or a sort)."""
+    (O(nodes touched) per build instead of O(graph size) or a sort). Memory: 8 bytes per node of
+    the largest graph seen by the thread (16 on the torch path, which also keeps ``first``)."""
 
     def __init__(self):
         self.pos = torch.zeros(0, dtype=torch.long)  # base + tree-local position
-        self.first = torch.zeros(0, dtype=torch.long)  # first occurrence within one dedupe call
+        self.first = torch.zeros(0, dtype=torch.long)  # torch path: first occurrence within one call
         self.pos_base = 1
         self.first_base = 1
 
     def reserve(self, num_nodes: int) -> None:
         if self.pos.numel() < num_nodes:
             self.pos = torch.zeros(num_nodes, dtype=torch.long)
-            self.first = torch.zeros(num_nodes, dtype=torch.long)
+
+    def reserve_first(self) -> None:
+        if self.first.numel() < self.pos.numel():
+            self.first = torch.zeros(self.pos.numel(), dtype=torch.long)
 
 
 _ID_MAPS = _IdMaps()
 
 _BACKENDS = ("numba", "torch")
+_NUMBA_FAILED: list[str] = []  # set once numba failed to load (warned once)
 
 
 def _numba_kernels():
@@ -469,11 +475,17 @@ def _numba_kernels():
     want = os.environ.get("DOMAINFM_GRAPH_BACKEND", "numba").strip().lower()
     if want not in _BACKENDS:
         raise GraphError(f"DOMAINFM_GRAPH_BACKEND={want!r}: expected one of {_BACKENDS}")
-    if want == "torch":
+    if want == "torch" or _NUMBA_FAILED:
         return None
     try:
         from domainfm.data_loaders import _graph_numba
     except ImportError:  # numba not installed: the vectorised torch path does the same work
+        return None
+    except RuntimeError as err:  # numba present but unusable here (e.g. "cannot cache function")
+        if not _NUMBA_FAILED:
+            warnings.warn(f"numba task-tree kernels unavailable ({err}); using the torch path", RuntimeWarning,
+                          stacklevel=3)
+            _NUMBA_FAILED.append(str(err))
         return None
     return _graph_numba
 
@@ -515,6 +527,7 @@ class _Forest:
         """Shared form: append the ids not placed yet (in first-occurrence order) as one level.
         Returns (positions of all ``ids``, positions of the new nodes, their ids)."""
         m = self._maps
+        m.reserve_first()
         n = ids.numel()
         known = m.pos.index_select(0, ids) >= self._base
         # first occurrence of each id: the largest stamp (first_base + n - 1 - i); deterministic

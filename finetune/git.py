@@ -181,7 +181,7 @@ def link_forward(model: nn.Module, inp: G.TaskTreeBatch) -> Tensor:
     768-wide model out of the saturated range where BCE gradients vanish."""
     z = model.forward_features(inp.x, inp.edge_index, inp.edge_attr)
     p = model.pooling_lin(z)
-    return (p[inp.roots[0]] * p[inp.roots[1]]).sum(-1) / math.sqrt(p.shape[-1])
+    return (p.index_select(0, inp.roots[0]) * p.index_select(0, inp.roots[1])).sum(-1) / math.sqrt(p.shape[-1])
 
 
 def task_forward(model: nn.Module, inp: Any, *, head: bool = True) -> Tensor:

@@ -194,7 +194,7 @@ class GITPretrainer(nn.Module):
         pos = pos[:, torch.randperm(pos.shape[1], device=z.device)[:n_pos]]
         neg = torch.randint(0, z.shape[0], (2, n_pos), device=z.device)
         h = self.topo_decoder(z)
-        score = lambda e: (h[e[0]] * h[e[1]]).sum(-1)
+        score = lambda e: (h.index_select(0, e[0]) * h.index_select(0, e[1])).sum(-1)
         return F.binary_cross_entropy_with_logits(score(pos), torch.ones(n_pos, device=z.device)) + \
             F.binary_cross_entropy_with_logits(score(neg), torch.zeros(n_pos, device=z.device))
 

@@ -181,12 +181,14 @@ class GIT(nn.Module):
         """Root embeddings after ``pooling_lin`` for ``task`` = ``"node"`` (index: (B,) node ids;
         ``None``: every node), ``"edge"`` ((2, B) node pairs) or ``"graph"`` ((N,) graph id of
         every node, mean-pooled; ``None``: one graph)."""
+        # gathers use index_select, not z[index]: on CPU the backward of advanced indexing adds
+        # the gradients of repeated indices in a thread-dependent order, so runs would drift apart
         if task == "node":
-            h = z if index is None else z[index]
+            h = z if index is None else z.index_select(0, index)
         elif task == "edge":
             if index is None or index.ndim != 2 or index.shape[0] != 2:
                 raise ValueError("task='edge' needs index of shape (2, B): the node pairs")
-            h = (z[index[0]] + z[index[1]]) / 2
+            h = (z.index_select(0, index[0]) + z.index_select(0, index[1])) / 2
         elif task == "graph":
             if index is None:
                 h = z.mean(0, keepdim=True)
@@ -206,7 +208,7 @@ class GIT(nn.Module):
         slot = torch.full((z.shape[0],), -1, dtype=torch.long, device=z.device)
         slot[roots] = torch.arange(roots.numel(), device=z.device)
         into_root = is_root[edge_index[1]]
-        h = scatter(z[edge_index[0, into_root]], slot[edge_index[1, into_root]], dim=0,
+        h = scatter(z.index_select(0, edge_index[0, into_root]), slot[edge_index[1, into_root]], dim=0,
                     dim_size=roots.numel(), reduce="mean")
         return self.pooling_lin(h)
 

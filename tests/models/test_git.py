@@ -186,3 +186,32 @@ def test_converter_maps_old_pyg_gat_keys_and_drops_pretraining_modules():
     assert set(converted) == set(own)
     model.load_state_dict(converted, strict=True)
     torch.testing.assert_close(model.layers[0].lin.weight, own["layers.0.lin.weight"] + 1)
+
+
+@pytest.mark.parametrize("task", ["node", "edge", "virtual"])
+def test_task_embedding_gradients_repeat_bit_for_bit_with_threads(task):
+    """Root gathers repeat indices (edge endpoints, shared nodes); on CPU the backward of ``z[index]``
+    adds their gradients in a thread-dependent order, which made runs drift apart. The model uses
+    index_select, whose backward is deterministic: four backward passes give identical gradients."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        model = GIT(32, 64, 2, dropout=0.0)
+        z = torch.randn(6000, 64, requires_grad=True)
+        pairs = torch.randint(0, 6000, (2, 40000))
+        grads = []
+        for _ in range(4):
+            z.grad = None
+            if task == "node":
+                out = model.task_embedding(z, "node", pairs[0])
+            elif task == "edge":
+                out = model.task_embedding(z, "edge", pairs)
+            else:
+                roots = torch.arange(500)
+                out = model.virtual_root_embedding(z, torch.stack([pairs[0], pairs[1] % 500]), roots)
+            (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+            grads.append(z.grad.clone())
+        assert all(torch.equal(grads[0], g) for g in grads[1:])
+    finally:
+        torch.set_num_threads(threads)
