@@ -60,15 +60,22 @@ def expand_level(rowptr, col, eid, front, k, u, pos, base, size, shared, want_ei
         d = rowptr[v + 1] - s
         sampled = k >= 0 and d > k
         m = k if sampled else d
+        narrow = d < 63  # "already chosen" as one bit test, as in the torch path
+        mask = np.int64(0)
         for i in range(m):
             if sampled:
                 j = d - k + i
                 t = min(np.int64(u[i, b] * (j + 1)), j)
-                for q in range(i):
-                    if chosen[q] == t:
+                if narrow:
+                    if (mask >> t) & 1:
                         t = j
-                        break
-                chosen[i] = t
+                    mask |= np.int64(1) << t
+                else:
+                    for q in range(i):
+                        if chosen[q] == t:
+                            t = j
+                            break
+                    chosen[i] = t
             else:
                 t = i
             slot = s + t

@@ -401,11 +401,11 @@ def build_task_trees(
             # every task node is a child of its virtual root: no sampling needed
             child = index.flatten() if task == "node" else index.t().reshape(-1)  # u0, v0, u1, v1, ...
             parent = roots if task == "node" else torch.arange(2 * n_tasks) >> 1
-        else:
+            frontier, front_ids, front_tree = forest.attach(child, parent, None, depth=1, tree=parent)
+        else:  # the root's children sampled from the task's members (graph tasks: its nodes)
             members = _task_members(task, index, ptr)
-            slot, parent = _sample_slots(members, torch.arange(n_tasks), fanouts[0], generator)
-            child = members.col.index_select(0, slot)
-        frontier, front_ids, front_tree = forest.attach(child, parent, None, depth=1, tree=parent)
+            frontier, front_ids, front_tree = forest.expand(members, roots, 0, roots, fanouts[0], depth=1,
+                                                            want_eid=False, generator=generator)
         levels = fanouts[1:]
         depth = 1
     else:

@@ -113,7 +113,7 @@ def _tree_cases():
             if task == "graph" and not virtual_root:
                 continue
             for shared in (True, False):
-                for fanouts in ([10, 10], [3, -1], [2, 70], [-1, 5, 3]):
+                for fanouts in ([10, 10], [3, -1], [2, 70], [-1, 5, 3], [1, 4]):
                     yield x, ei, ea, ptr, task, index, virtual_root, shared, fanouts
 
 
@@ -133,7 +133,7 @@ def test_numba_and_torch_paths_build_identical_trees(monkeypatch):
             else:
                 assert value == other
         checked += 1
-    assert checked == 40
+    assert checked == 50
 
 
 def test_unknown_graph_backend_is_named(monkeypatch):
