@@ -126,6 +126,7 @@ class _Route:
     body: bytes
     truncate: bool = False
     chunked: bool = False
+    location: str | None = None  # answer 302 Found with this Location instead
 
 
 class LocalServer:
@@ -150,6 +151,14 @@ class LocalServer:
                     route = server.routes.get(path)
                 if route is None:
                     self.send_error(404, "not served by the test server")
+                    return
+                if route.location is not None:
+                    self.send_response(302)
+                    self.send_header("Location", route.location)
+                    self.send_header("Content-Length", "0")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.close_connection = True
                     return
                 body = route.body[: len(route.body) // 2] if route.truncate else route.body
                 self.send_response(200)
@@ -191,6 +200,12 @@ class LocalServer:
             self.routes[path] = _Route(body=body, truncate=truncate, chunked=chunked)
         return self.base + path
 
+    def redirect(self, path: str, location: str) -> str:
+        """Answer ``path`` with 302 Found to ``location``."""
+        with self._lock:
+            self.routes[path] = _Route(body=b"", location=location)
+        return self.base + path
+
     def hit_count(self, path: str) -> int:
         if not path.startswith("/"):
             path = "/" + path
@@ -212,6 +227,17 @@ class LocalServer:
 
 @pytest.fixture
 def http_server():
+    server = LocalServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def other_http_server():
+    """A second server: another origin (another port on 127.0.0.1)."""
     server = LocalServer()
     server.start()
     try:

@@ -189,6 +189,25 @@ def test_hub_token_is_sent_only_to_the_hub_origin(http_server, monkeypatch):
     assert http_server.authorization == [None, "Bearer hf_dummy_for_tests"]
 
 
+def test_hub_token_follows_same_origin_redirects_only(http_server, other_http_server, monkeypatch):
+    """The Hub redirects file downloads to a CDN: the token must not travel there."""
+    monkeypatch.setenv("HF_TOKEN", "hf_dummy_for_tests")
+    monkeypatch.setenv("HF_ENDPOINT", http_server.base)
+    cdn = other_http_server
+    body = b"weights" * 7
+    target = cdn.serve("/blob.bin", body)
+    http_server.serve("/moved.bin", body)
+    http_server.redirect("/same.bin", http_server.base + "/moved.bin")
+    http_server.redirect("/cross.bin", target)
+
+    hub.fetch(http_server.base + "/same.bin", _sha(body), progress=False)
+    assert http_server.authorization == ["Bearer hf_dummy_for_tests"] * 2  # kept on the same origin
+
+    hub.fetch(http_server.base + "/cross.bin", _sha(body), progress=False)
+    assert http_server.authorization[-1] == "Bearer hf_dummy_for_tests"
+    assert cdn.hit_count("/blob.bin") == 1 and cdn.authorization == [None]  # dropped for another origin
+
+
 def test_hf_url_must_name_a_file_inside_the_cache():
     with pytest.raises(ValueError, match="must name a file"):
         hub.cache_path_for("hf://org/repo")

@@ -145,25 +145,42 @@ def sha256_file(path: str | os.PathLike) -> str:
 # --------------------------------------------------------------------------- download
 
 
+def _origin(url: str) -> tuple[str, str]:
+    return urllib.parse.urlsplit(url)[:2]
+
+
+class _SameOriginAuthRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows redirects, re-sending the Authorization header only to the same origin.
+
+    The token is added as an "unredirected" header, which urllib never copies onto a redirect
+    (its default handler would copy an ordinary one to any host, e.g. the CDN the Hub redirects
+    file downloads to); this handler puts it back when the new URL has the same origin."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        auth = req.unredirected_hdrs.get("Authorization")
+        if new is not None and auth and _origin(newurl) == _origin(req.full_url):
+            new.add_unredirected_header("Authorization", auth)
+        return new
+
+
 def _stream_to(url: str, tmp_path: Path, progress: bool) -> str:
-    headers = {"User-Agent": "domainfm"}
+    request = urllib.request.Request(url, headers={"User-Agent": "domainfm"})
     # The token goes only to the Hub's own origin: a prefix test would also match
     # https://huggingface.co.example.net (or port 80 of an endpoint on port 8080).
-    origin = urllib.parse.urlsplit(url)[:2]
     endpoints = ("https://huggingface.co", os.environ.get("HF_ENDPOINT", ""))
-    hub_origins = {urllib.parse.urlsplit(e)[:2] for e in endpoints if e}
-    if origin in hub_origins:
+    if _origin(url) in {_origin(e) for e in endpoints if e}:
         try:
             from huggingface_hub import get_token
 
             token = get_token()
             if token:
-                headers["Authorization"] = f"Bearer {token}"
+                request.add_unredirected_header("Authorization", f"Bearer {token}")
         except Exception:  # pragma: no cover - token lookup is best effort
             pass
-    request = urllib.request.Request(url, headers=headers)
     digest = hashlib.sha256()
-    with urllib.request.urlopen(request, timeout=60) as response:
+    opener = urllib.request.build_opener(_SameOriginAuthRedirects)
+    with opener.open(request, timeout=60) as response:
         total = response.headers.get("Content-Length")
         total = int(total) if total and total.isdigit() else None
         bar = None
