@@ -104,7 +104,7 @@ def bench_trees(args) -> None:
     # that a change in machine speed during the run moves both
     sub = ei  # every directed edge, as the official augmentation does
     loop_rate, edge_rate = 0.0, rates["edge", True]
-    for _ in range(3):
+    for _ in range(5):
         loop_rate = max(loop_rate, _rate(lambda: official_edge_loop(sub, args.nodes), sub.shape[1], repeat=1, inner=1))
         edge_rate = max(edge_rate, _rate(lambda: G.build_task_trees(x, None, "edge", edge_idx, fan, csr=csr, shared=True,
                                                                     generator=gen), B))

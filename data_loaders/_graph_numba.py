@@ -100,23 +100,3 @@ def expand_level(rowptr, col, eid, front, k, u, pos, base, size, shared, want_ei
     if not shared:
         n_new = total
     return child_pos, parent, eids, new_ids[:n_new]
-
-
-@njit(cache=True, nogil=True)
-def place(ids, pos, base, size):  # pragma: no cover - compiled; covered through the equivalence tests
-    """Shared form: positions of ``ids`` (new ones appended in first-occurrence order from ``size``)
-    and the new ids."""
-    n = ids.shape[0]
-    out = np.empty(n, np.int64)
-    new_ids = np.empty(n, np.int64)
-    n_new = 0
-    for i in range(n):
-        w = ids[i]
-        p = pos[w]
-        if p < base:
-            p = base + size + n_new
-            pos[w] = p
-            new_ids[n_new] = w
-            n_new += 1
-        out[i] = p - base
-    return out, new_ids[:n_new]

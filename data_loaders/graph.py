@@ -546,7 +546,11 @@ class _Forest:
         if kernels is None:
             return self._place(ids)
         m = self._maps
-        pos, new_ids = kernels.place(ids.numpy(), m.pos.numpy(), self._base, self.size)
+        # placing ids = expanding a frontier whose i-th node has the single neighbour ids[i]
+        n = ids.numel()
+        ids_np, rows = ids.contiguous().numpy(), np.arange(n + 1, dtype=np.int64)
+        pos, _, _, new_ids = kernels.expand_level(rows, ids_np, ids_np, rows[:n], -1, np.zeros((1, 1)), m.pos.numpy(),
+                                                  self._base, self.size, True, False)
         new_ids = torch.from_numpy(new_ids)
         new_pos = self._append(new_ids, None)
         m.pos_base = max(m.pos_base, self._base + self.size)

@@ -225,22 +225,22 @@ class LocalServer:
         self._thread.join(timeout=5)
 
 
+    def __enter__(self) -> "LocalServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 @pytest.fixture
 def http_server():
-    server = LocalServer()
-    server.start()
-    try:
+    with LocalServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def other_http_server():
     """A second server: another origin (another port on 127.0.0.1)."""
-    server = LocalServer()
-    server.start()
-    try:
+    with LocalServer() as server:
         yield server
-    finally:
-        server.stop()
