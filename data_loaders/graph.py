@@ -370,6 +370,13 @@ def build_task_trees(
     if task == "graph" and not virtual_root:
         raise GraphError("graph tasks are task-trees only with a virtual root; for the fine-tuning form "
                          "encode whole graphs (GIT.task_embedding(z, 'graph', batch))")
+    off_cpu = [name for name, t in (("x", x), ("edge_index", edge_index), ("index", index), ("edge_attr", edge_attr),
+                                    ("csr", None if csr is None else csr.col))
+               if isinstance(t, Tensor) and t.device.type != "cpu"]
+    if off_cpu:
+        raise GraphError(f"build_task_trees: {', '.join(off_cpu)} on {x.device if 'x' in off_cpu else 'another device'}; "
+                         "task-trees are built on CPU tensors (data loading, as PyG's loaders do): pass the graph on "
+                         "CPU and move the batch with TaskTreeBatch.to(device)")
     fanouts = [int(f) for f in fanouts]
     if any(f == 0 or f < -1 for f in fanouts):
         raise GraphError(f"fanouts={fanouts}: every fan-out must be a positive count or -1 (all neighbours)")

@@ -136,6 +136,14 @@ def test_numba_and_torch_paths_build_identical_trees(monkeypatch):
     assert checked == 50
 
 
+def test_trees_need_cpu_tensors():
+    x, ei = _star_and_path()
+    with pytest.raises(G.GraphError, match="x on meta.*built on CPU tensors"):
+        G.build_task_trees(x.to("meta"), ei, "node", torch.tensor([0]), [10, 10], shared=True)
+    with pytest.raises(G.GraphError, match="index on another device"):
+        G.build_task_trees(x, ei, "node", torch.tensor([0], device="meta"), [10, 10])
+
+
 def test_unknown_graph_backend_is_named(monkeypatch):
     x, ei = _star_and_path()
     monkeypatch.setenv("DOMAINFM_GRAPH_BACKEND", "pyg-lib")
