@@ -161,12 +161,13 @@ def build_csr(edge_index: Tensor, num_nodes: int) -> CSR:
     return CSR(rowptr=rowptr, col=edge_index[0, eid].contiguous(), eid=eid)
 
 
-def _segment_arange(counts: Tensor) -> tuple[Tensor, Tensor]:
-    """For segments of the given lengths: (segment id, offset within segment) of every element."""
+def _segment_arange(counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For segments of the given lengths: (segment id, offset within segment) of every element,
+    and the start of every segment."""
     seg = torch.repeat_interleave(counts)
     starts = torch.cumsum(counts, 0) - counts
     offset = torch.arange(seg.numel()) - starts.index_select(0, seg)
-    return seg, offset
+    return seg, offset, starts
 
 
 def _nonzero(mask: Tensor) -> Tensor:
@@ -215,10 +216,10 @@ def _floyd(deg: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
 
 def _ranked_keys(deg: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
     """Same contract as :func:`_floyd` for large ``k``: rank random keys within each row."""
-    seg, off = _segment_arange(deg)
+    seg, off, starts = _segment_arange(deg)
     order = torch.argsort(seg.double() + torch.rand(seg.numel(), generator=generator, dtype=torch.float64))
     rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel()) - (torch.cumsum(deg, 0) - deg).index_select(0, seg.index_select(0, order))
+    rank[order] = torch.arange(order.numel()) - starts.index_select(0, seg.index_select(0, order))
     keep = rank < k
     # rank < k holds exactly k slots per row; order them by row (stable: seg is non-decreasing)
     return off[keep].reshape(deg.numel(), k)
@@ -249,15 +250,14 @@ def _sample_slots(csr: CSR, nodes: Tensor, fanout: int, generator: torch.Generat
     start = csr.rowptr.index_select(0, nodes)
     deg = csr.rowptr.index_select(0, nodes + 1) - start
     counts = deg if fanout < 0 else deg.clamp(max=fanout)
-    parent, off = _segment_arange(counts)
+    parent, off, out_start = _segment_arange(counts)
     if fanout > 0:
         big = _nonzero(deg > fanout)
         if big.numel():
             d = deg.index_select(0, big)
             pick = _floyd(d, fanout, generator) if fanout <= _FLOYD_MAX_FANOUT else _ranked_keys(d, fanout, generator)
             # a big row's k outputs are contiguous, starting at its segment start
-            first = (torch.cumsum(counts, 0) - counts).index_select(0, big)
-            where = (first.unsqueeze(1) + torch.arange(fanout)).flatten()
+            where = (out_start.index_select(0, big).unsqueeze(1) + torch.arange(fanout)).flatten()
             off.index_copy_(0, where, pick.flatten())
     return start.index_select(0, parent) + off, parent
 
@@ -319,7 +319,7 @@ def _task_members(task: str, index: Tensor, ptr: Tensor | None) -> CSR:
         if (counts <= 0).any():
             bad = int(graphs[counts <= 0][0])
             raise GraphError(f"graph task: graph {bad} has no nodes; remove empty graphs from the dataset")
-        seg, off = _segment_arange(counts)
+        seg, off, _ = _segment_arange(counts)
         col = ptr[graphs][seg] + off
         rowptr = torch.zeros(graphs.numel() + 1, dtype=torch.long)
         torch.cumsum(counts, 0, out=rowptr[1:])
@@ -525,7 +525,20 @@ class _Forest:
         self._ids.append(ids)
         self._sizes.append(ids.numel())
         self._tree.append(tree)
+        if self.shared:  # the next build's map values start above this one's
+            self._maps.pos_base = max(self._maps.pos_base, self._base + self.size)
         return torch.arange(start, self.size)
+
+    def _record(self, child_pos: Tensor, parent_pos: Tensor, eid: Tensor | None) -> None:
+        """The tree edges of the level just appended (``eid``: their graph edges, if wanted)."""
+        self._src.append(child_pos)
+        self._dst.append(parent_pos)
+        if eid is not None:
+            self._eid.append(eid)
+
+    def _check_level(self, depth: int) -> None:
+        if len(self._sizes) != depth:
+            raise AssertionError("levels must be added in order")
 
     def add_virtual(self, n: int) -> Tensor:
         return self._append(torch.full((n,), -1, dtype=torch.long), torch.arange(n))
@@ -545,7 +558,6 @@ class _Forest:
         new_ids = ids.index_select(0, _nonzero(new))
         new_pos = self._append(new_ids, None)
         m.pos.index_copy_(0, new_ids, new_pos + self._base)
-        m.pos_base = max(m.pos_base, self._base + self.size)
         return m.pos.index_select(0, ids) - self._base, new_pos, new_ids
 
     def _place_any(self, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -559,9 +571,7 @@ class _Forest:
         pos, _, _, new_ids = kernels.expand_level(rows, ids_np, ids_np, rows[:n], -1, np.zeros((1, 1)), m.pos.numpy(),
                                                   self._base, self.size, True, False)
         new_ids = torch.from_numpy(new_ids)
-        new_pos = self._append(new_ids, None)
-        m.pos_base = max(m.pos_base, self._base + self.size)
-        return torch.from_numpy(pos), new_pos, new_ids
+        return torch.from_numpy(pos), self._append(new_ids, None), new_ids
 
     def add_roots(self, ids: Tensor, owner: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Returns (the roots' positions, then the positions, ids and trees to expand next)."""
@@ -578,17 +588,13 @@ class _Forest:
         """Add sampled children under their parents as level ``depth`` (``eid``: the graph edges
         behind the new tree edges, ``None`` for a virtual root's). Returns the positions, ids and
         trees (``None`` in the shared form) of the nodes to expand next."""
-        if len(self._sizes) != depth:
-            raise AssertionError("levels must be added in order")
+        self._check_level(depth)
         if not self.shared:
             child_pos = frontier = self._append(child_ids, tree)
             front_ids = child_ids
         else:
             child_pos, frontier, front_ids = self._place_any(child_ids)
-        self._src.append(child_pos)
-        self._dst.append(parent_pos)
-        if eid is not None:
-            self._eid.append(eid)
+        self._record(child_pos, parent_pos, eid)
         return frontier, front_ids, self._tree[-1]
 
     def expand(self, csr: CSR, front_ids: Tensor, front_start: int, front_tree: Tensor | None, fanout: int, *,
@@ -601,8 +607,7 @@ class _Forest:
             return self.attach(csr.col.index_select(0, slot), parent + front_start,
                                csr.eid.index_select(0, slot) if want_eid else None, depth=depth,
                                tree=None if self.shared else front_tree.index_select(0, parent))
-        if len(self._sizes) != depth:
-            raise AssertionError("levels must be added in order")
+        self._check_level(depth)
         rowptr, front = csr.rowptr.numpy(), front_ids.contiguous().numpy()
         n_big = kernels.count_big(rowptr, front, fanout) if fanout > 0 else 0
         # the same random numbers, drawn the same way, as the torch path's _floyd
@@ -615,12 +620,7 @@ class _Forest:
             self.shared, want_eid)
         child_pos, parent, new_ids = torch.from_numpy(child_pos), torch.from_numpy(parent), torch.from_numpy(new_ids)
         frontier = self._append(new_ids, None if self.shared else front_tree.index_select(0, parent))
-        if self.shared:
-            self._maps.pos_base = max(self._maps.pos_base, self._base + self.size)
-        self._src.append(child_pos)
-        self._dst.append(parent + front_start)
-        if want_eid:
-            self._eid.append(torch.from_numpy(eids))
+        self._record(child_pos, parent + front_start, torch.from_numpy(eids) if want_eid else None)
         return frontier, new_ids, self._tree[-1]
 
     @property
@@ -916,7 +916,7 @@ class GraphDataset:
         numbering them 0..len(ids)-1 in the given order."""
         ids = torch.as_tensor(ids).long()
         sizes = self.ptr[ids + 1] - self.ptr[ids]
-        seg, off = _segment_arange(sizes)
+        seg, off, _ = _segment_arange(sizes)
         nodes = self.ptr[ids][seg] + off
         new_id = torch.full((self.x.shape[0],), -1, dtype=torch.long)
         new_id[nodes] = torch.arange(nodes.numel())
