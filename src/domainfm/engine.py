@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from domainfm.atomic import atomic_path, atomic_torch_save, atomic_write_text
+
 __all__ = [
     "TrainConfig",
     "Recipe",
@@ -258,30 +260,6 @@ class ResumableSampler(Sampler[int]):
 # --------------------------------------------------------------------------- atomic files
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def _rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state = {
@@ -478,21 +456,13 @@ class Trainer:
             if self.is_global_zero:
                 from safetensors.torch import save_file
 
-                self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
-                os.replace(tmp, path)
+                with atomic_path(path) as tmp:
+                    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
             self.fabric.barrier()
             return path
         if self.is_global_zero:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            try:
+            with atomic_path(path) as tmp:
                 save_model(state_model, str(tmp))
-                os.replace(tmp, path)
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
         self.fabric.barrier()
         return path
 
