@@ -1,4 +1,6 @@
-"""domainfm.finetune.metrics against scikit-learn / scipy, and forecasting metrics against
+"""domainfm.finetune.metrics (thin wrappers over scikit-learn / scipy) against values computed
+by hand and against direct scikit-learn calls, its edge-case contract (single class, constant
+targets, bf16 probabilities, K = 2 top-k), and domainfm.finetune.forecast_metrics against
 values computed by hand (GluonTS definitions)."""
 
 import warnings
@@ -150,6 +152,70 @@ def test_torch_tensors_are_accepted():
     )
 
 
+def test_label_metrics_by_hand():
+    # y = [0, 0, 1, 1, 2], pred = [0, 1, 1, 1, 0]
+    # accuracy 3/5; recalls 1/2, 2/2, 0/1 -> balanced 1/2
+    # kappa: p_o = 3/5; row sums (2, 2, 1), column sums (2, 3, 0) -> p_e = (4 + 6 + 0)/25 = 2/5
+    #   -> (3/5 - 2/5) / (1 - 2/5) = 1/3
+    # F1: class 0 2*1/(2+2) = 1/2, class 1 2*2/(2+3) = 4/5, class 2 0 -> (2*1/2 + 2*4/5 + 0)/5 = 0.52
+    y, pred = [0, 0, 1, 1, 2], [0, 1, 1, 1, 0]
+    assert metrics.accuracy(y, pred) == pytest.approx(0.6)
+    assert metrics.balanced_accuracy(y, pred) == pytest.approx(0.5)
+    assert metrics.cohen_kappa(y, pred) == pytest.approx(1 / 3)
+    assert metrics.f1_weighted(y, pred) == pytest.approx(0.52)
+
+
+def test_single_class_in_y_true():
+    # Only class 1 in y_true: balanced accuracy is that class's recall (2/3); kappa is defined
+    # (p_e = 2/3 < 1) and equals 0, since agreement is exactly chance; ROC-AUC raises.
+    y, pred = [1, 1, 1], [1, 0, 1]
+    assert metrics.balanced_accuracy(y, pred) == pytest.approx(2 / 3)
+    assert metrics.cohen_kappa(y, pred) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="only one class"):
+        metrics.compute("binary", [1, 1, 1], [0.2, 0.7, 0.9])
+    # The same single label on both sides: kappa is undefined and raises.
+    with pytest.raises(ValueError, match="single label"):
+        metrics.compute("multiclass", [1, 1, 1], [1, 1, 1])
+
+
+def test_top_k_accuracy_by_hand_including_two_classes():
+    scores = np.array([[0.1, 0.5, 0.4], [0.3, 0.3, 0.4], [0.6, 0.2, 0.2]])
+    y = [2, 0, 1]
+    # top-1: [1, 2, 0] -> no hit; top-2: {1, 2}, {2, 1 (tie with 0: higher index first)}, {0, 2 (tie)}
+    # -> hits for sample 0 only
+    assert metrics.top_k_accuracy(y, scores, 1) == 0.0
+    assert metrics.top_k_accuracy(y, scores, 2) == pytest.approx(1 / 3)
+    assert metrics.top_k_accuracy(y, scores, 3) == 1.0
+    assert metrics.top_k_accuracy(y, scores, 7) == 1.0
+    # K = 2 (scikit-learn refuses two columns): a tie goes to class 1, as for K > 2.
+    two = np.array([[0.2, 0.8], [0.5, 0.5], [0.9, 0.1], [0.6, 0.4]])
+    assert metrics.top_k_accuracy([1, 1, 1, 0], two, 1) == pytest.approx(3 / 4)
+    assert metrics.top_k_accuracy([1, 0, 1, 0], two, 1) == pytest.approx(2 / 4)
+    assert metrics.top_k_accuracy([1, 0, 1, 0], two, 2) == 1.0
+
+
+def test_multiclass_roc_auc_accepts_bf16_probability_drift():
+    # Rows summing to 1 within 1e-3 (a bf16 softmax) are accepted, where scikit-learn's own
+    # "ovr" path rejects them; the value is the mean of the per-class binary AUCs.
+    rng = np.random.default_rng(9)
+    y = np.arange(60) % 3
+    probs = _softmax(rng.normal(size=(60, 3)) + 2.0 * np.eye(3)[y])
+    drifted = probs * (1.0 + 5e-4)
+    with pytest.raises(ValueError):
+        skm.roc_auc_score(y, drifted, multi_class="ovr")
+    per_class = [skm.roc_auc_score(y == c, drifted[:, c]) for c in range(3)]
+    assert metrics.roc_auc(y, drifted) == pytest.approx(np.mean(per_class), abs=1e-12)
+    assert metrics.roc_auc(y, probs) == pytest.approx(skm.roc_auc_score(y, probs, multi_class="ovr"), abs=1e-12)
+
+
+def test_forecast_metrics_are_one_module_re_exported():
+    from domainfm.finetune import forecast_metrics
+
+    for name in forecast_metrics.__all__:
+        assert getattr(metrics, name) is getattr(forecast_metrics, name)
+        assert name in metrics.__all__
+
+
 # ----------------------------------------------------------------------------- regression vs scikit-learn / scipy
 
 
@@ -282,12 +348,10 @@ def test_seasonal_naive_mase_on_a_trend_by_hand():
     assert metrics.mase(np.arange(10.0, 14.0), forecast, x, 2) == pytest.approx(1.5)
 
 
-def test_seasonal_naive_scores_relative_one_against_itself():
+def test_seasonal_naive_mase_is_one_on_a_linear_trend():
     # On a linear trend c*t, every seasonal difference is c*m and so is every seasonal-naive
-    # error within one season: MASE is exactly 1 on each dataset, and so is the geometric mean
-    # of the scores relative to the seasonal-naive baseline.
+    # error within one season: the baseline's MASE is exactly 1, whatever c, m, T and H.
     rng = np.random.default_rng(0)
-    relative = []
     for _ in range(5):
         m = int(rng.integers(1, 8))
         n = int(rng.integers(m + 2, 40))
@@ -296,8 +360,27 @@ def test_seasonal_naive_scores_relative_one_against_itself():
         context, future = c * np.arange(n), c * np.arange(n, n + h)
         baseline = metrics.mase(future, metrics.seasonal_naive_forecast(context, h, m), context, m)
         assert baseline == pytest.approx(1.0)
-        relative.append(baseline / baseline)
-    assert metrics.geometric_mean(relative) == pytest.approx(1.0)
+
+
+def test_relative_mase_aggregated_over_datasets_by_hand():
+    # The benchmark aggregate: each dataset's MASE divided by the seasonal-naive MASE on that
+    # dataset, then the geometric mean over datasets.
+    # Dataset A: context [1, 3, 2, 5, 4], m = 2, scale 5/3 (test_mase_by_hand), truth [6, 5].
+    #   seasonal naive repeats the last season [5, 4]: errors 1, 1 -> MASE 1 / (5/3) = 0.6
+    #   model [5, 7]: errors 1, 2 -> MASE 1.5 / (5/3) = 0.9; relative 0.9 / 0.6 = 1.5
+    # Dataset B: context [0, 2, 4], m = 2, scale |4 - 0| = 4, truth [1, 1].
+    #   seasonal naive [2, 4]: errors 1, 3 -> MASE 2 / 4 = 0.5
+    #   model [3, 1]: errors 2, 0 -> MASE 1 / 4 = 0.25; relative 0.25 / 0.5 = 0.5
+    # geometric mean sqrt(1.5 * 0.5) = sqrt(0.75) (the arithmetic mean would be 1.0)
+    datasets = [([1.0, 3, 2, 5, 4], [6.0, 5], [5.0, 7]), ([0.0, 2, 4], [1.0, 1], [3.0, 1])]
+    relative = []
+    for context, truth, model in datasets:
+        naive = metrics.seasonal_naive_forecast(context, 2, 2)
+        relative.append(metrics.mase(truth, model, context, 2) / metrics.mase(truth, naive, context, 2))
+    np.testing.assert_allclose(metrics.seasonal_naive_forecast(datasets[0][0], 2, 2), [5, 4])
+    np.testing.assert_allclose(metrics.seasonal_naive_forecast(datasets[1][0], 2, 2), [2, 4])
+    assert relative == pytest.approx([1.5, 0.5])
+    assert metrics.geometric_mean(relative) == pytest.approx(np.sqrt(0.75))
 
 
 def test_geometric_mean():
