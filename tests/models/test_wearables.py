@@ -120,3 +120,113 @@ def test_mamba2_block_equals_its_step_by_step_definition_and_is_causal():
     u2[:, 9:] += 1.0
     torch.testing.assert_close(block(u2)[:, :9], out[:, :9], rtol=0, atol=1e-12)
     assert not torch.allclose(block(u2)[:, 9:], out[:, 9:])
+
+
+# --------------------------------------------------------------------------- the WBM model
+
+
+def _week(n=2, t=48, v=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(n, t, v, generator=g)
+    observed = torch.rand(n, t, v, generator=g) > 0.3
+    return values, observed
+
+
+@pytest.mark.parametrize("name", ["wbm-test", "wbm-transformer-test"])
+def test_unobserved_values_do_not_matter_and_nan_means_missing(name):
+    torch.manual_seed(0)
+    model = domainfm.create_model(name, n_outputs=None).eval()
+    values, observed = _week()
+    with torch.no_grad():
+        ref = model.forward_features(values, observed)
+        noisy = torch.where(observed, values, torch.full_like(values, 1e3))
+        torch.testing.assert_close(model.forward_features(noisy, observed), ref)
+        with_nan = torch.where(observed, values, torch.full_like(values, float("nan")))
+        torch.testing.assert_close(model.forward_features(with_nan), ref)  # observed defaults to ~isnan
+        assert ref.shape == (2, 32)
+        # the embedding is the mean of the hour tokens over hours with any observed value
+        observed[0, :20] = False
+        tokens = model.forward_tokens(values, observed)
+        feats = model.forward_features(values, observed)
+        torch.testing.assert_close(feats[0], tokens[0, 20:].mean(0))
+        torch.testing.assert_close(feats[1], tokens[1][observed[1].any(-1)].mean(0))
+        assert model.forward_projection(values, observed).shape == (2, 16)
+
+
+def test_tst_token_is_linear_in_masked_values_and_mask():
+    model = domainfm.create_model("wbm-test")
+    tok = model.tokenizer
+    values, observed = _week(1, 3, 8)
+    got = tok(values, observed)
+    W, b = tok.proj.weight, tok.proj.bias
+    want = (values * observed) @ W[:, :8].T + observed.float() @ W[:, 8:].T + b
+    torch.testing.assert_close(got, want)
+
+
+def test_mamba_backbone_is_causal_and_chunk_size_does_not_change_it():
+    torch.manual_seed(0)
+    a = domainfm.create_model("wbm-test", n_outputs=None).double().eval()
+    torch.manual_seed(0)
+    b = domainfm.create_model("wbm-test", n_outputs=None, chunk_size=7).double().eval()
+    b.load_state_dict(a.state_dict())
+    values, observed = _week(2, 61)
+    values = values.double()
+    with torch.no_grad():
+        ta, tb = a.forward_tokens(values, observed), b.forward_tokens(values, observed)
+        torch.testing.assert_close(ta, tb, rtol=0, atol=1e-10)
+        changed = values.clone()
+        changed[:, 40:] += 3.0
+        t2 = a.forward_tokens(changed, observed)
+    torch.testing.assert_close(t2[:, :40], ta[:, :40], rtol=0, atol=1e-12)
+    assert (t2[:, 40:] - ta[:, 40:]).abs().max() > 1e-3
+
+
+def test_rope_scores_depend_on_relative_position_only():
+    from domainfm.models.wearables import RotaryEmbedding
+
+    rope = RotaryEmbedding(8).double()
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
+    seq_q = q.expand(1, 1, 20, 8).contiguous()
+    seq_k = k.expand(1, 1, 20, 8).contiguous()
+    scores = rope(seq_q)[0, 0] @ rope(seq_k)[0, 0].T  # (20, 20)
+    torch.testing.assert_close(scores[5, 2], scores[15, 12])
+    torch.testing.assert_close(scores[3, 9], scores[10, 16])
+    assert not torch.isclose(scores[5, 2], scores[5, 3])
+
+
+def test_zscore_statistics_are_saved_with_the_weights(tmp_path):
+    model = domainfm.create_model("wbm-test", variables=[f"v{i}" for i in range(8)])
+    model.set_zscore(torch.arange(8.0), torch.arange(1.0, 9.0))
+    domainfm.save_pretrained(model, tmp_path / "m")
+    again = domainfm.create_model(tmp_path / "m")
+    assert again.zscore() == {"variables": [f"v{i}" for i in range(8)], "mean": list(map(float, range(8))),
+                              "std": list(map(float, range(1, 9)))}
+    with pytest.raises(ValueError, match="SDs positive"):
+        model.set_zscore(torch.zeros(8), torch.zeros(8))
+
+
+def test_signal_spec_is_checked():
+    with pytest.raises(ValueError, match="hourly"):
+        domainfm.create_model("wbm-test", sfreq=1.0)
+    with pytest.raises(ValueError, match="n_chans=8 but 3"):
+        domainfm.create_model("wbm-test", variables=["a", "b", "c"])
+    model = domainfm.create_model("wbm-test")
+    with pytest.raises(ValueError, match="n_chans=8"):
+        model(torch.zeros(1, 10, 5))
+    base = domainfm.model_info("wbm-base")
+    assert base["input_spec"]["n_chans"] == 22 and base["input_spec"]["n_times"] == 168
+    assert base["defaults"]["d_model"] == 256 and base["defaults"]["proj_dim"] == 128 and base["defaults"]["n_layers"] == 4
+
+
+def test_any_length_runs_and_lora_wraps_the_projections():
+    from domainfm import lora
+
+    model = domainfm.create_model("wbm-test")
+    values, observed = _week(1, 173)
+    assert model(values, observed).shape == (1, 2)
+    lora.apply(model, targets=["*in_proj", "*out_proj"], rank=2, alpha=4)
+    out = model(values, observed)
+    out.sum().backward()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n or n.startswith("head.") for n in trainable), trainable
