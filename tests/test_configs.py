@@ -34,3 +34,20 @@ def test_every_family_with_configs_ships_its_default_entry_configs():
             except ModuleNotFoundError:
                 continue
             assert f"{family}/{kind}" in ALL_CONFIGS, f"domainfm.{kind}.{family} exists but configs/{family}/{kind}.yaml does not"
+
+
+def test_every_shipped_base_file_is_used():
+    # Base files (configs/<family>/_*.yaml) are not runnable and not in list_configs; one that
+    # no config names in `defaults:` would be parsed by nothing, so it could rot unseen.
+    import importlib.resources
+
+    import yaml
+
+    root = Path(str(importlib.resources.files("domainfm.configs")))
+    named = set()
+    for path in root.glob("*/*.yaml"):
+        defaults = (yaml.safe_load(path.read_text()) or {}).get(C.DEFAULTS_KEY) or []
+        for name in [defaults] if isinstance(defaults, str) else defaults:
+            named.add((path.parent / name).resolve().with_suffix("").name)
+    unused = [str(p.relative_to(root)) for p in root.glob("*/_*.yaml") if p.stem not in named]
+    assert not unused, f"base config(s) named by no `defaults:`: {unused}"
