@@ -1,5 +1,5 @@
 """CBraMod fine-tuning: EEG classification / regression with the paper's heads, metrics and
-selection rules, in full, LoRA or linear-probe mode.
+selection rules, in full, LoRA or linear-probe mode, declared on the experiment layer.
 
 Paper settings (official ``finetune_main.py``): the reconstruction head is removed; classifier
 ``all_patch_reps`` (flatten -> N*200 -> 200 -> classes, ELU + dropout 0.1) or
@@ -16,45 +16,25 @@ Data (``data.kind``):
   (100 µV) and ``y`` (n,);
 - ``demo``: the embedded default, built from the shipped recording by :func:`build_demo_task`.
 
-Weights: ``model.pretrained: true`` loads the official checkpoint through the hub (sha256
-verified). Offline without the file in the cache this fails with the path to place it at; the run
-then stops, unless ``model.pretrained_fallback: random``, in which case it says so and trains
-from random initialisation, and the report says ``init: random``.
+Weights and arms come from :mod:`domainfm.experiment` (``model.pretrained``, ``model.fallback``,
+``arms: [pretrained, random]``, ``stages``); the official converter drops the reconstruction head.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
 from domainfm.data_loaders import eeg
-from domainfm.engine import TrainConfig, Trainer
-from domainfm.finetune.supervised import LoraSettings, SupervisedRecipe, prepare_mode, selection_rule
+from domainfm.engine import TrainConfig
+from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, TaskData
+from domainfm.finetune.supervised import LoraSettings
 
-__all__ = ["Config", "ModelSection", "DataSection", "DEMO_REGIONS", "build_demo_task", "build_model", "run",
-           "evaluate"]
+__all__ = ["Config", "DataSection", "DEMO_REGIONS", "FAMILY", "build_demo_task", "build_task", "run", "evaluate"]
 
-
-@dataclass
-class ModelSection:
-    name: str = "cbramod-base"
-    #: true: the card's official weights; a path/URL; false: random init
-    pretrained: bool | str = True
-    #: what to do when the pretrained weights cannot be had: "error" (stop) or "random" (say so, train from scratch)
-    pretrained_fallback: str = "error"
-    head_type: str = "all_patch_reps"
-    head_dropout: float = 0.1
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.pretrained_fallback not in {"error", "random"}:
-            raise ValueError(f"model.pretrained_fallback={self.pretrained_fallback!r}: expected 'error' or 'random'")
+LORA_TARGETS = ["encoder.layers.*.self_attn_*.in_proj", "encoder.layers.*.self_attn_*.out_proj",
+                "encoder.layers.*.linear1", "encoder.layers.*.linear2"]
 
 
 @dataclass
@@ -72,29 +52,28 @@ class DataSection:
 
 
 @dataclass
-class Config:
+class Config(ExperimentConfig):
+    """``task``: multiclass | binary | regression; ``n_outputs``: classes (1 for binary/regression);
+    ``labels_note``: what the labels are when they are constructed (printed in the report)."""
+
     task: str = "multiclass"
     n_outputs: int = 2
-    mode: str = "full"
-    lora: LoraSettings = field(default_factory=lambda: LoraSettings(
-        targets=["encoder.layers.*.self_attn_*.in_proj", "encoder.layers.*.self_attn_*.out_proj",
-                 "encoder.layers.*.linear1", "encoder.layers.*.linear2"], rank=8, alpha=16.0))
     label_smoothing: float = 0.1
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    #: also fine-tune the same model from random init with the same settings, for comparison
-    compare_random_init: bool = False
-    #: what the labels are (printed in the report; required for constructed tasks)
     labels_note: str = ""
+    model: ModelSection = field(default_factory=lambda: ModelSection(
+        name="cbramod-base", pretrained=True, converter="official",
+        kwargs={"head_type": "all_patch_reps", "head_dropout": 0.1}))
+    adapt: AdaptSection = field(default_factory=lambda: AdaptSection(
+        lora=LoraSettings(targets=list(LORA_TARGETS), rank=8, alpha=16.0)))
+    data: DataSection = field(default_factory=DataSection)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         max_epochs=50, batch_size=64, lr=1e-4, head_lr=5e-4, head_patterns=["head.*"], weight_decay=5e-2,
         clip_grad_norm=1.0, schedule="cosine", min_lr=1e-6))
 
     def __post_init__(self):
+        super().__post_init__()
         if self.task not in {"multiclass", "binary", "regression"}:
             raise ValueError(f"task={self.task!r}: expected multiclass, binary or regression")
-        if self.mode not in {"full", "lora", "linear_probe"}:
-            raise ValueError(f"mode={self.mode!r}: expected full, lora or linear_probe")
         if self.task != "multiclass" and self.n_outputs != 1:
             raise ValueError(f"task={self.task} needs n_outputs=1 (one logit / value), got {self.n_outputs}")
 
@@ -183,127 +162,29 @@ def build_datasets(cfg: Config):
     return _load_split(cfg, cfg.data.train), _load_split(cfg, cfg.data.val), test
 
 
-# ----------------------------------------------------------------------------- model
-
-
-def build_model(cfg: Config, n_chans: int, n_times: int, *, pretrained: bool | str) -> tuple[torch.nn.Module, str]:
-    """The fine-tuning model and its init description (``"pretrained: <source>"`` or ``"random"``)."""
-    from domainfm import create_model, hub
-
-    kwargs = {**cfg.model.kwargs, "n_chans": n_chans, "n_times": n_times, "n_outputs": cfg.n_outputs,
-              "head_type": cfg.model.head_type, "head_dropout": cfg.model.head_dropout, "reconstruction_head": False}
-    if pretrained is False:
-        return create_model(cfg.model.name, **kwargs), "random"
-    try:
-        # the official converter also reads our own checkpoints (keys pass through, proj_out dropped)
-        model = create_model(cfg.model.name, pretrained=pretrained, converter="official", **kwargs)
-    except (hub.HubError, FileNotFoundError) as exc:
-        where = "the hub cache" if pretrained is True else str(pretrained)
-        message = (
-            f"\n[cbramod] pretrained weights unavailable ({type(exc).__name__}): {exc}\n"
-            f"[cbramod] To fine-tune the pretrained model: place pretrained_weights.pth (sha256 verified) at the "
-            f"path named above, or run `domainfm download {cfg.model.name}` with network access, or pass "
-            "model.pretrained=/path/to/pretrained_weights.pth.\n"
-        )
-        if cfg.model.pretrained_fallback != "random":
-            raise SystemExit(message + f"[cbramod] Stopping (model.pretrained_fallback=error; set it to 'random' to "
-                                       f"train from random initialisation instead; {where} was consulted).")
-        print(message + "[cbramod] model.pretrained_fallback=random: training from RANDOM initialisation; "
-              "the report says init: random.", file=sys.stderr, flush=True)
-        return create_model(cfg.model.name, **kwargs), "random"
-    report = model.domainfm_load_report
-    return model, f"pretrained: {report.source}" + (f" (sha256 {report.sha256[:12]})" if report.sha256 else "")
-
-
-def _fit(cfg: Config, model, train, val, run_dir: Path):
-    from domainfm import lora
-
-    prepare_mode(model, cfg.mode, head="head", lora=cfg.lora)
-    metric, direction = selection_rule(cfg.task)
-    train_cfg = dataclasses.replace(cfg.train, monitor=cfg.train.monitor or f"val/{metric}",
-                                    monitor_mode=direction if cfg.train.monitor is None else cfg.train.monitor_mode)
-    recipe = SupervisedRecipe(model, train, val, task=cfg.task,
-                              label_smoothing=cfg.label_smoothing if cfg.task == "multiclass" else 0.0)
-    result = Trainer(train_cfg, run_dir=run_dir).fit(recipe)
-    summary = lora.trainable_summary(model)
-    return result, recipe, summary
-
-
-def _best_metrics(result, run_dir: Path) -> dict[str, float]:
-    vals = [r for r in result.history if r.get("split") == "val"]
-    if not vals:
-        return {}
-    best = next((r for r in vals if r["step"] == result.best_step), vals[-1])
-    return {k: v for k, v in best.items() if k not in {"split", "step", "epoch"}}
-
-
-def run(cfg: Config, run_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    from domainfm import lora
-
-    run_dir = Path(run_dir)
+def build_task(cfg: Config) -> TaskData:
     train, val, test = build_datasets(cfg)
-    n_chans, n_times = int(train.x.shape[1]), int(train.x.shape[2])
     if cfg.task == "multiclass":
         seen = int(max(train.y.max(), val.y.max())) + 1
         if seen > cfg.n_outputs:
             raise ValueError(f"labels go up to {seen - 1} but n_outputs={cfg.n_outputs}")
-    model, init = build_model(cfg, n_chans, n_times, pretrained=cfg.model.pretrained)
-    result, recipe, summary = _fit(cfg, model, train, val, run_dir)
-    metric, _ = selection_rule(cfg.task)
-    report: dict[str, Any] = {
-        "model": cfg.model.name,
-        "init": init,
-        "mode": cfg.mode,
-        "task": cfg.task,
-        "head": cfg.model.head_type,
-        "input": f"{n_chans} ch x {n_times // 200} patches (200 Hz, 100 uV units)",
-        "train_examples": len(train),
-        "val_examples": len(val),
-        "params_total": summary["total"],
-        "params_trainable": summary["trainable"],
-        "trainable_percent": round(summary["percent"], 3),
-        "steps": result.global_step,
-        "selected_by": f"val {metric}",
-        "best_step": result.best_step,
-    }
-    if cfg.labels_note or cfg.data.kind == "demo":
-        report["labels"] = cfg.labels_note or DEMO_LABELS_NOTE
-    report.update({f"val_{k}": v for k, v in _best_metrics(result, run_dir).items()})
-    if cfg.mode == "lora":
-        lora.save_adapter(model, run_dir / "adapter", base_model_name=cfg.model.name)
-        report["adapter"] = str(run_dir / "adapter")
-    if test is not None and result.best_checkpoint is not None:
-        model.load_state_dict(load_file(str(result.best_checkpoint)))
-        trainer = Trainer(dataclasses.replace(cfg.train, progress=False), run_dir=None)
-        report.update({f"test_{k}": v for k, v in trainer.evaluate(recipe, test, model=model).items()})
-    if cfg.compare_random_init:
-        if init == "random":
-            report["random_init_comparison"] = "skipped: this run already started from random initialisation"
-        else:
-            torch.manual_seed(cfg.train.seed)
-            baseline, _ = build_model(cfg, n_chans, n_times, pretrained=False)
-            base_result, _, _ = _fit(cfg, baseline, train, val, run_dir / "random_init")
-            report.update({f"random_init_val_{k}": v for k, v in _best_metrics(base_result, run_dir).items()})
-    return report
-
-
-def evaluate(cfg: Config, run_dir: Path) -> dict:
-    """Metrics of ``run_dir``'s best checkpoint on the validation (and test) split."""
-    from safetensors.torch import load_file
-
-    from domainfm import lora
-
-    run_dir = Path(run_dir)
-    train, val, test = build_datasets(cfg)
-    model, _ = build_model(cfg, int(train.x.shape[1]), int(train.x.shape[2]), pretrained=False)
-    if cfg.mode == "lora":
-        prepare_mode(model, "lora", head="head", lora=cfg.lora)
-    model.load_state_dict(load_file(str(run_dir / "checkpoints" / "best.safetensors")))
-    recipe = SupervisedRecipe(model, None, val, task=cfg.task)
-    trainer = Trainer(dataclasses.replace(cfg.train, progress=False), run_dir=None)
-    out = {f"val_{k}": v for k, v in trainer.evaluate(recipe, val, model=model).items()}
+    labels = cfg.labels_note or (DEMO_LABELS_NOTE if cfg.data.kind == "demo" else "recorded")
+    if cfg.labels_note and not cfg.labels_note.startswith(("constructed", "synthetic", "recorded")):
+        labels = f"constructed: {cfg.labels_note}"
+    n_chans, n_times = int(train.x.shape[1]), int(train.x.shape[2])
+    info = {"input": f"{n_chans} ch x {n_times // 200} patches (200 Hz, 100 uV units)", "n_chans": n_chans,
+            "n_times": n_times, "train_examples": len(train), "val_examples": len(val)}
     if test is not None:
-        out.update({f"test_{k}": v for k, v in trainer.evaluate(recipe, test, model=model).items()})
-    return out
+        info["test_examples"] = len(test)
+    return TaskData(train, val, test, task=cfg.task, n_outputs=cfg.n_outputs, labels=labels, info=info)
+
+
+FAMILY = Family(
+    name="cbramod",
+    config=Config,
+    data=build_task,
+    model_kwargs=lambda cfg, task: {"n_chans": task.info["n_chans"], "n_times": task.info["n_times"],
+                                    "n_outputs": cfg.n_outputs, "reconstruction_head": False},
+    head="head",
+)
+run, evaluate = FAMILY.run, FAMILY.evaluate

@@ -187,7 +187,7 @@ def _window_shape(dataset) -> tuple[int, int]:
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
-    from domainfm import create_model, lora
+    from domainfm import create_model, lora, save_pretrained
 
     train_ds, val_ds, info = build_datasets(cfg.data, seed=cfg.train.seed)
     n_chans, n_times = _window_shape(train_ds)
@@ -213,6 +213,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
         "train_loss_first": losses[0] if losses else math.nan,
         "train_loss_last": losses[-1] if losses else math.nan,
         "checkpoint": str(result.best_checkpoint) if result.best_checkpoint else "",
+        # the selected (best-validation) model, as a fine-tuning stage or `create_model(RUN/model)` loads it
+        "saved_model": str(save_pretrained(result.model, Path(run_dir) / "model")),
     }
     if result.last_val:
         report["val_loss"] = result.last_val["loss"]

@@ -92,23 +92,20 @@ def _cmd_download(args) -> int:
 
 
 def _run_family(kind: str, args) -> int:
-    from domainfm import __version__
     from domainfm import config as cfgmod
-    from domainfm.engine import atomic_write_text
+    from domainfm.experiment import RunFolder, print_table as print_arms
 
     module = family_entry(kind, args.family)
     config_file = Path(args.config) if args.config else cfgmod.config_path(args.family, kind)
     raw = cfgmod.apply_overrides(cfgmod.load_yaml(config_file), args.overrides)
     cfg = cfgmod.from_dict(module.Config, raw)
     name = args.name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(args.runs_dir) / args.family / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfgmod.save_yaml(cfg, run_dir / "config.yaml")
-    meta = {"family": args.family, "kind": kind, "name": name, "config_source": str(config_file),
-            "overrides": list(args.overrides), "domainfm_version": __version__,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    atomic_write_text(run_dir / "run.json", json.dumps(meta, indent=2) + "\n")
-    print(f"domainfm {kind} {args.family}: run folder {run_dir}")
+    resume = bool(getattr(getattr(cfg, "train", None), "resume", False))
+    folder = RunFolder.create(Path(args.runs_dir) / args.family / name, resume=resume)
+    folder.write_config(cfg)
+    folder.write_meta(family=args.family, kind=kind, name=name, config_source=str(config_file),
+                      overrides=list(args.overrides))
+    print(f"domainfm {kind} {args.family}: run folder {folder.path}")
     seed = getattr(getattr(cfg, "train", None), "seed", None)
     if seed is not None:
         # before run() builds the model: the same config gives the same initial weights
@@ -116,34 +113,43 @@ def _run_family(kind: str, args) -> int:
 
         seed_everything(seed, verbose=False)
     start = time.perf_counter()
-    report = dict(module.run(cfg, run_dir) or {})
+    report = dict(module.run(cfg, folder.path) or {})
     report.setdefault("family", args.family)
     report.setdefault("kind", kind)
     report["wall_time_s"] = round(time.perf_counter() - start, 2)
-    atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2, default=str) + "\n")
-    flat = {k: v for k, v in report.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
-    print_table(flat, title=f"\n{args.family} {kind} report ({run_dir / 'report.json'})")
+    folder.write_report(report)
+    title = f"\n{args.family} {kind} report ({folder.report_file})"
+    if isinstance(report.get("arms"), dict):
+        print_arms(report, title=title)
+    else:
+        flat = {k: v for k, v in report.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+        print_table(flat, title=title)
     return 0
 
 
 def _cmd_evaluate(args) -> int:
     from domainfm import config as cfgmod
-    from domainfm.engine import atomic_write_text
+    from domainfm.experiment import RunFolder, RunFolderError, print_table as print_arms
 
-    run_dir = Path(args.run_dir)
-    meta_file = run_dir / "run.json"
-    if not meta_file.is_file():
-        print(f"{run_dir} is not a domainfm run folder (no run.json)", file=sys.stderr)
+    folder = RunFolder(args.run_dir)
+    try:
+        meta = folder.read_meta()
+    except RunFolderError as exc:
+        print(exc, file=sys.stderr)
         return 2
-    meta = json.loads(meta_file.read_text())
     module = family_entry(meta["kind"], meta["family"])
     if not hasattr(module, "evaluate"):
         print(f"domainfm.{meta['kind']}.{meta['family']} has no evaluate()", file=sys.stderr)
         return 2
-    cfg = cfgmod.from_dict(module.Config, cfgmod.apply_overrides(cfgmod.load_yaml(run_dir / "config.yaml"), args.overrides))
-    metrics = dict(module.evaluate(cfg, run_dir) or {})
-    atomic_write_text(run_dir / "evaluation.json", json.dumps(metrics, indent=2, default=str) + "\n")
-    print_table({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}, title=f"evaluation of {run_dir}")
+    cfg = cfgmod.from_dict(module.Config, cfgmod.apply_overrides(cfgmod.load_yaml(folder.config_file), args.overrides))
+    metrics = dict(module.evaluate(cfg, folder.path) or {})
+    folder.write_json("evaluation.json", metrics)
+    if isinstance(metrics.get("arms"), dict):
+        print_arms(metrics, title=f"evaluation of {folder.path}")
+        if "max_abs_diff_val" in metrics:
+            print(f"  largest difference from the run's validation metrics: {metrics['max_abs_diff_val']:.3g}")
+    else:
+        print_table({k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}, title=f"evaluation of {folder.path}")
     return 0
 
 

@@ -303,6 +303,10 @@ class FitResult:
     history: list[dict[str, Any]]
     stopped_early: bool
     wall_time_s: float
+    #: validation metrics of the selected step (``{}`` without validation)
+    best_val: dict[str, float] = field(default_factory=dict)
+    #: the recipe's model, holding the weights of the selected step when a best checkpoint exists
+    model: nn.Module | None = None
 
 
 class Trainer:
@@ -617,6 +621,14 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+        if best_path is not None and Path(best_path).is_file() and not self._sharded():
+            # the caller gets the selected model, never the last epoch's by accident
+            from safetensors.torch import load_model
+
+            load_model(self._raw_model, str(best_path), strict=True)
+        best_val = next((
+            {k: v for k, v in r.items() if k not in {"split", "step", "epoch"}}
+            for r in reversed(self.history) if r.get("split") == "val" and r.get("step") == self.best_step), {})
         return FitResult(
             global_step=self.global_step,
             epochs_completed=self.epoch,
@@ -627,6 +639,8 @@ class Trainer:
             history=self.history,
             stopped_early=stopped_early,
             wall_time_s=time.perf_counter() - start_time,
+            best_val=best_val,
+            model=self._raw_model,
         )
 
     def _select(self, model, metrics: dict[str, float], best_path: Path | None) -> tuple[bool, Path | None]:

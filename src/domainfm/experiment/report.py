@@ -1,0 +1,138 @@
+"""One nested report for every family, and its table (one column per arm).
+
+    {"family", "task", "model", "labels", "data", "adapt", "stages",
+     "params": {"total", "trainable"},
+     "arms": {ARM: {"init", "mode", "best_step", "steps", "val": {...}, "test": {...},
+                    "<protocol>": {...}, "seeds": [...], "val_std": {...}, "test_std": {...}}},
+     "wall_time_s"}
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+__all__ = ["aggregate_seeds", "flatten", "table_rows", "format_table", "print_table", "to_markdown"]
+
+_NOT_METRICS = {"init", "mode", "best_step", "steps", "seed", "seeds", "model_dir", "adapter_dir", "skipped"}
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"val": {"kappa": 0.2}}`` -> ``{"val.kappa": 0.2}`` (lists are left out)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+        elif not isinstance(value, (list, tuple)):
+            out[name] = value
+    return out
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge the results of one arm over seeds: numeric leaves become means (``<section>_std``
+    holds the standard deviations, ``seeds`` the per-seed results); the first run's other fields
+    are kept."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    flats = [flatten(r) for r in runs]
+    merged = dict(flats[0])
+    stds: dict[str, float] = {}
+    for key, value in flats[0].items():
+        if key.split(".")[0] in _NOT_METRICS or not _is_number(value):
+            continue
+        values = [f.get(key) for f in flats]
+        if all(_is_number(v) for v in values):
+            arr = np.asarray(values, dtype=np.float64)
+            merged[key] = float(arr.mean())
+            stds[key] = float(arr.std(ddof=1))
+    out = _unflatten(merged)
+    for key, std in stds.items():
+        section, _, rest = key.partition(".")
+        if rest:
+            out.setdefault(f"{section}_std", {})
+            node = out[f"{section}_std"]
+            *parents, leaf = rest.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = std
+    out["seeds"] = runs
+    return out
+
+
+def table_rows(report: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, list[Any]]]]:
+    """(arm names, rows of (metric, one value per arm)), ``init`` first."""
+    arms = list(report.get("arms", {}))
+    per_arm = {a: flatten({k: v for k, v in report["arms"][a].items() if k != "seeds"}) for a in arms}
+    keys: list[str] = []
+    for a in arms:
+        for k, v in per_arm[a].items():
+            if k not in keys and k not in ("model_dir", "adapter_dir", "seed") and (_is_number(v) or k in ("init", "mode", "skipped")):
+                keys.append(k)
+    front = [k for k in ("init", "mode", "skipped", "best_step") if k in keys]
+    keys = front + [k for k in keys if k not in front]
+    return arms, [(k, [per_arm[a].get(k) for a in arms]) for k in keys]
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, (float, np.floating)):
+        return "nan" if math.isnan(v) else f"{v:.4f}"
+    return str(v)
+
+
+def format_table(report: Mapping[str, Any], *, markdown: bool = False) -> str:
+    arms, rows = table_rows(report)
+    if not arms:
+        return ""
+    header = ["metric"] + arms
+    cells = [[k] + [_fmt(v) for v in vals] for k, vals in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
+        return "\n".join(lines)
+    # long strings (init lines) are cut in the terminal table; report.json keeps them whole
+    cells = [[c if len(c) <= 48 else c[:45] + "..." for c in row] for row in cells]
+    widths = [max(len(r[i]) for r in cells + [header]) for i in range(len(header))]
+    fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells])
+
+
+def print_table(report: Mapping[str, Any], *, title: str | None = None, file=None) -> None:
+    file = file or sys.stdout
+    if title:
+        print(title, file=file)
+    for key in ("family", "task", "model", "labels"):
+        if key in report:
+            print(f"  {key}: {report[key]}", file=file)
+    if "params" in report:
+        print(f"  params: {report['params']}", file=file)
+    print(format_table(report), file=file)
+
+
+def _lines(items: Iterable[tuple[str, Any]]) -> list[str]:
+    return [f"- **{k}**: {v}" for k, v in items]
+
+
+def to_markdown(report: Mapping[str, Any]) -> str:
+    head = [f"# {report.get('family', '')} {report.get('kind', 'finetune')} report", ""]
+    head += _lines((k, report[k]) for k in ("task", "model", "labels", "params", "wall_time_s") if k in report)
+    return "\n".join(head + ["", format_table(report, markdown=True), ""])
