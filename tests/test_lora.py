@@ -476,6 +476,39 @@ def test_preset_callable_and_override():
     assert lora.count_trainable(model) == 3 * (12 + 20) + 5
 
 
+
+def test_family_preset_resolves_without_importing_the_family_first():
+    # the core holds no family preset: "explora" lives in domainfm.models.explora and is found
+    # by the registry importing the families on a miss (a fresh interpreter proves the order)
+    code = (
+        "import sys\n"
+        "from domainfm import lora\n"
+        "assert 'domainfm.models.explora' not in sys.modules\n"
+        "assert 'explora' in lora.PRESETS\n"
+        "from domainfm.models.explora.preset import explora_preset\n"
+        "assert lora.PRESETS['explora'] is explora_preset\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_register_preset_refuses_a_taken_name():
+    assert "explora" in lora.PRESETS
+    with pytest.raises(ValueError, match="'explora' is already registered by domainfm.models.explora"):
+        lora.register_preset("explora", lambda model: {"targets": ["layer"]})
+    lora.register_preset("explora", lora.PRESETS["explora"])  # re-registering the same function is fine
+    name = "test-only-preset"
+    lora.register_preset(name, {"targets": ["layer"], "rank": 2})
+    try:
+        model = lora.apply(Toy("linear"), preset=name)
+        assert model.layer.rank == 2 and lora.count_trainable(model) == 2 * (12 + 20)
+    finally:
+        del lora.PRESETS[name]
+    assert name not in lora.PRESETS
+
 def _tiny_vit():
     timm = pytest.importorskip("timm")
     from timm.models.vision_transformer import VisionTransformer

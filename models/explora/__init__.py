@@ -19,6 +19,7 @@ from __future__ import annotations
 from domainfm.zoo import register_model
 
 from .convert import convert_official, load_official
+from .preset import explora_preset  # registers lora.PRESETS["explora"]
 from .satmae import SENTINEL2_GROUPS, GroupChannelViT
 from .vit import build_timm_vit, tiny_example_input, tiny_vit
 
