@@ -1,0 +1,238 @@
+"""Series with gaps in, tensors for imputation out.
+
+A *gapped series* is one set of (possibly irregular) time points shared by its channels, with
+``NaN`` where a channel was not observed. Sources:
+
+* **wide** tables: one time column (or the index) and one column per channel;
+* **long** tables: ``(item_id,) time, channel, value`` rows, pivoted to wide per item;
+* CSV or Parquet files, or pandas DataFrames.
+
+Times may be numbers or timestamps (converted to days since the first time point, recorded in
+``time_origin`` / ``time_unit`` so imputed values can be written back with the original stamps).
+Errors name the file, the column and the row: unsorted or duplicate times, non-finite times, a
+channel without any observation, and (:func:`check_windows`) a FIM-ℓ window without one.
+
+**Shapes:** :meth:`GappedSeries.tensors` -> ``times (T,)``, ``values (T, D)`` (NaN at gaps),
+``observed (T, D)`` bool.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+__all__ = ["GappedSeries", "GappedSeriesError", "read_series", "from_dataframe", "check_windows", "load_co2",
+           "to_dataframe"]
+
+
+class GappedSeriesError(ValueError):
+    """Bad input for a gapped series; the message names the source, the column and the row."""
+
+
+@dataclass
+class GappedSeries:
+    """One series: ``times (T,)`` float64 (increasing), ``values (T, D)`` float64 with NaN at gaps."""
+
+    times: np.ndarray
+    values: np.ndarray
+    channels: list[str]
+    item_id: str = "series"
+    source: str = "<dataframe>"
+    time_column: str = "time"
+    time_origin: pd.Timestamp | None = None
+    time_unit: str = "day"
+    info: dict = field(default_factory=dict)
+
+    @property
+    def observed(self) -> np.ndarray:
+        return np.isfinite(self.values)
+
+    def tensors(self, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.as_tensor(self.times, dtype=dtype), torch.as_tensor(self.values, dtype=dtype),
+                torch.as_tensor(self.observed))
+
+    def timestamps(self, times: np.ndarray | None = None):
+        """Times as the source gave them (timestamps when it had timestamps)."""
+        times = self.times if times is None else np.asarray(times)
+        if self.time_origin is None:
+            return times
+        return self.time_origin + pd.to_timedelta(times, unit="D")
+
+
+def _where(source: str, column: str | None = None, row: int | None = None) -> str:
+    parts = [source]
+    if column is not None:
+        parts.append(f"column {column!r}")
+    if row is not None:
+        parts.append(f"row {row}")
+    return ", ".join(parts)
+
+
+def _times(raw: pd.Series, source: str, column: str, rows: np.ndarray) -> tuple[np.ndarray, pd.Timestamp | None]:
+    origin = None
+    if pd.api.types.is_datetime64_any_dtype(raw) or raw.dtype == object:
+        try:
+            stamps = pd.to_datetime(raw, errors="raise") if raw.dtype == object else raw
+        except (ValueError, TypeError) as exc:
+            numeric = pd.to_numeric(raw, errors="coerce")
+            bad = int(np.flatnonzero(numeric.isna().to_numpy())[0]) if numeric.isna().any() else 0
+            raise GappedSeriesError(f"{_where(source, column, int(rows[bad]))}: {raw.iloc[bad]!r} is neither a number "
+                                    f"nor a timestamp ({exc})") from None
+        if getattr(stamps.dt, "tz", None) is not None:
+            stamps = stamps.dt.tz_convert("UTC").dt.tz_localize(None)
+        if stamps.isna().any():
+            bad = int(np.flatnonzero(stamps.isna().to_numpy())[0])
+            raise GappedSeriesError(f"{_where(source, column, int(rows[bad]))}: missing timestamp")
+        origin = stamps.iloc[0]
+        times = ((stamps - origin) / pd.Timedelta(days=1)).to_numpy(dtype=np.float64)
+    else:
+        times = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64)
+    bad = np.flatnonzero(~np.isfinite(times))
+    if len(bad):
+        raise GappedSeriesError(f"{_where(source, column, int(rows[bad[0]]))}: time {raw.iloc[bad[0]]} is not finite; "
+                                "every row needs a finite time (use NaN in a value column for a gap)")
+    step = np.diff(times)
+    if (step == 0).any():
+        i = int(np.flatnonzero(step == 0)[0])
+        raise GappedSeriesError(f"{_where(source, column, int(rows[i + 1]))}: duplicate time {raw.iloc[i + 1]} "
+                                f"(also at row {int(rows[i])})")
+    if (step < 0).any():
+        i = int(np.flatnonzero(step < 0)[0])
+        raise GappedSeriesError(f"{_where(source, column, int(rows[i + 1]))}: times are not sorted ({raw.iloc[i + 1]} "
+                                f"after {raw.iloc[i]}); sort the rows by time first")
+    return times, origin
+
+
+def _build(df: pd.DataFrame, *, source: str, time: str, channels: Sequence[str], item_id: str,
+           rows: np.ndarray) -> GappedSeries:
+    times, origin = _times(df[time], source, time, rows)
+    values = np.empty((len(df), len(channels)), dtype=np.float64)
+    for j, name in enumerate(channels):
+        col = pd.to_numeric(df[name], errors="coerce")
+        text = df[name].notna() & col.isna()
+        if text.any():
+            i = int(np.flatnonzero(text.to_numpy())[0])
+            raise GappedSeriesError(f"{_where(source, name, int(rows[i]))}: {df[name].iloc[i]!r} is not a number "
+                                    "(leave the cell empty or NaN for a gap)")
+        values[:, j] = col.to_numpy(dtype=np.float64)
+        if not np.isfinite(values[:, j]).any():
+            raise GappedSeriesError(f"{_where(source, name)}: no observed value in channel {name!r}"
+                                    + (f" of item {item_id!r}" if item_id != "series" else ""))
+    values[~np.isfinite(values)] = np.nan  # inf counts as missing, like NaN
+    return GappedSeries(times=times, values=values, channels=list(channels), item_id=item_id, source=source,
+                        time_column=time, time_origin=origin)
+
+
+def from_dataframe(df: pd.DataFrame, *, time: str | None = None, channels: Sequence[str] | None = None,
+                   layout: str = "auto", item_id: str = "item_id", channel: str = "channel", value: str = "value",
+                   source: str = "<dataframe>") -> list[GappedSeries]:
+    """Gapped series from a DataFrame.
+
+    Args:
+        time: the time column (default: ``time``, ``timestamp``, ``date`` or ``t`` if present,
+            else the index).
+        channels: value columns of a wide table (default: every other numeric-looking column).
+        layout: ``wide``, ``long`` (``item_id?, time, channel, value`` rows) or ``auto`` (long
+            when the ``channel`` and ``value`` columns exist).
+    """
+    if layout not in {"auto", "wide", "long"}:
+        raise GappedSeriesError(f"layout={layout!r}: expected 'auto', 'wide' or 'long'")
+    df = df.copy()
+    if time is None:
+        time = next((c for c in ("time", "timestamp", "date", "t", "ds") if c in df.columns), None)
+        if time is None:
+            name = df.index.name or "index"
+            df = df.reset_index().rename(columns={df.index.name or "index": name})
+            time = name
+    if time not in df.columns:
+        raise GappedSeriesError(f"{source}: no time column {time!r} (columns: {list(df.columns)})")
+    df["__row__"] = np.arange(len(df)) + (2 if source.endswith((".csv", ".CSV")) else 0)  # file line numbers
+    if layout == "long" or (layout == "auto" and channel in df.columns and value in df.columns):
+        for col in (channel, value):
+            if col not in df.columns:
+                raise GappedSeriesError(f"{source}: long layout needs a {col!r} column (columns: {list(df.columns)})")
+        if pd.api.types.is_object_dtype(df[time]):
+            try:
+                df[time] = pd.to_datetime(df[time], errors="raise")
+            except (ValueError, TypeError):
+                pass  # numbers as text: _times reports the bad cell
+        groups = df.groupby(item_id, sort=False) if item_id in df.columns else [("series", df)]
+        out = []
+        for key, part in groups:
+            dup = part.duplicated([time, channel], keep="first")
+            if dup.any():
+                i = int(np.flatnonzero(dup.to_numpy())[0])
+                raise GappedSeriesError(f"{_where(source, time, int(part['__row__'].iloc[i]))}: duplicate time "
+                                        f"{part[time].iloc[i]!r} for channel {part[channel].iloc[i]!r}")
+            wide = part.pivot(index=time, columns=channel, values=value)  # sorted by time
+            rows = part.groupby(time)["__row__"].min().reindex(wide.index).to_numpy()
+            wide = wide.reset_index()
+            out.append(_build(wide, source=source, time=time, channels=[str(c) for c in wide.columns[1:]],
+                              item_id=str(key), rows=rows))
+        return out
+    if channels is None:
+        channels = [c for c in df.columns if c not in (time, "__row__", item_id)]
+    for name in channels:
+        if name not in df.columns:
+            raise GappedSeriesError(f"{source}: no column {name!r} (columns: {[c for c in df.columns if c != '__row__']})")
+    if not channels:
+        raise GappedSeriesError(f"{source}: no value column besides the time column {time!r}")
+    if item_id in df.columns:
+        return [_build(part, source=source, time=time, channels=channels, item_id=str(key),
+                       rows=part["__row__"].to_numpy()) for key, part in df.groupby(item_id, sort=False)]
+    return [_build(df, source=source, time=time, channels=channels, item_id="series", rows=df["__row__"].to_numpy())]
+
+
+def read_series(path: str | os.PathLike | pd.DataFrame, **kwargs) -> list[GappedSeries]:
+    """Gapped series from a CSV / Parquet file (or a DataFrame); see :func:`from_dataframe`."""
+    if isinstance(path, pd.DataFrame):
+        return from_dataframe(path, **kwargs)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"series file not found: {path}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in {".parquet", ".pq"}:
+            df = pd.read_parquet(path)
+        elif suffix in {".csv", ".txt"}:
+            df = pd.read_csv(path)
+        else:
+            raise GappedSeriesError(f"{path}: unsupported file type {suffix!r}; expected .csv or .parquet")
+    except (pd.errors.ParserError, UnicodeDecodeError, OSError) as exc:
+        raise GappedSeriesError(f"{path}: could not be read as {suffix[1:]} ({exc})") from exc
+    return from_dataframe(df, source=str(path), **kwargs)
+
+
+def check_windows(series: GappedSeries, windows: int, overlap: float = 0.25) -> None:
+    """Raise if a FIM-ℓ window of ``series`` has no observed point in some channel."""
+    from domainfm.models.fim import balanced_windows, overlapping_window_slices
+
+    size, stride = balanced_windows(len(series.times), windows, overlap)
+    for w, (s, e) in enumerate(overlapping_window_slices(len(series.times), windows, size, stride).tolist()):
+        for j, name in enumerate(series.channels):
+            if not np.isfinite(series.values[s:e, j]).any():
+                t0, t1 = series.timestamps(series.times[[s, e - 1]])
+                raise GappedSeriesError(f"{series.source}, column {name!r}: window {w} of {windows} (rows {s}..{e - 1}, "
+                                        f"times {t0}..{t1}) has no observed point; use fewer windows")
+
+
+def to_dataframe(series: GappedSeries, values: np.ndarray, std: np.ndarray) -> pd.DataFrame:
+    """Imputed table: time, then per channel the value, its std and whether it was observed."""
+    out = {series.time_column: series.timestamps()}
+    for j, name in enumerate(series.channels):
+        out[name] = values[:, j]
+        out[f"{name}_std"] = std[:, j]
+        out[f"{name}_observed"] = series.observed[:, j]
+    return pd.DataFrame(out)
+
+
+def load_co2() -> GappedSeries:
+    """Weekly Mauna Loa CO2 1958-2001 (statsmodels' ``co2``; NOAA, public domain): 2284 weeks,
+    59 missing. Shipped in ``samples/fim/co2_weekly.csv``."""
+    path = Path(__file__).parent / "samples" / "fim" / "co2_weekly.csv"
+    return read_series(path, time="date")[0]

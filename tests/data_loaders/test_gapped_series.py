@@ -1,0 +1,67 @@
+"""Gapped series: wide/long CSV, Parquet and DataFrames in; NaN = missing; clear errors naming
+file, column and row; the shipped CO2 sample."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from domainfm.data_loaders.gapped_series import GappedSeriesError, check_windows, load_co2, read_series, to_dataframe
+
+
+def test_wide_csv_with_timestamps_and_gaps(tmp_path):
+    path = tmp_path / "s.csv"
+    path.write_text("date,x,y\n2020-01-01,1.0,\n2020-01-02,,5\n2020-01-04,3.5,6\n")
+    (s,) = read_series(path)
+    assert s.channels == ["x", "y"]
+    np.testing.assert_allclose(s.times, [0.0, 1.0, 3.0])  # days since the first stamp, irregular
+    assert s.observed.tolist() == [[True, False], [False, True], [True, True]]
+    t, v, o = s.tensors()
+    assert v.shape == (3, 2) and bool(o[0, 0]) and not bool(o[0, 1]) and np.isnan(float(v[1, 0]))
+    assert str(s.timestamps()[2].date()) == "2020-01-04"
+    df = to_dataframe(s, np.ones((3, 2)), np.zeros((3, 2)))
+    assert list(df.columns) == ["date", "x", "x_std", "x_observed", "y", "y_std", "y_observed"]
+
+
+def test_long_layout_and_parquet_and_dataframe(tmp_path):
+    long = pd.DataFrame({"item_id": ["a"] * 4 + ["b"] * 2, "time": [0.5, 0.0, 0.0, 2.0, 1.0, 3.0],
+                         "channel": ["u", "u", "v", "v", "u", "u"], "value": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]})
+    a, b = read_series(long)
+    np.testing.assert_allclose(a.times, [0.0, 0.5, 2.0])
+    np.testing.assert_allclose(a.values, [[2.0, 3.0], [1.0, np.nan], [np.nan, 4.0]])
+    assert b.item_id == "b" and b.values.shape == (2, 1)
+    path = tmp_path / "w.parquet"
+    pd.DataFrame({"t": [0.0, 1.0, 1.5], "z": [1.0, np.nan, 2.0]}).to_parquet(path)
+    (s,) = read_series(path)
+    assert s.observed[:, 0].tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("time,x\n0,1\n2,2\n1,3\n", r"s.csv, column 'time', row 4: times are not sorted"),
+    ("time,x\n0,1\n1,2\n1,3\n", r"s.csv, column 'time', row 4: duplicate time 1"),
+    ("time,x\n0,1\n,2\n", r"s.csv, column 'time', row 3: time nan is not finite"),
+    ("time,x\n0,1\ninf,2\n", r"row 3: time inf is not finite"),
+    ("time,x\n0,\n1,\n", r"s.csv, column 'x': no observed value"),
+    ("time,x\n0,1\n1,abc\n", r"s.csv, column 'x', row 3: 'abc' is not a number"),
+])
+def test_bad_inputs_name_file_column_row(tmp_path, text, match):
+    path = tmp_path / "s.csv"
+    path.write_text(text)
+    with pytest.raises(GappedSeriesError, match=match):
+        read_series(path)
+
+
+def test_window_without_observation_is_named(tmp_path):
+    x = np.arange(40.0)
+    x[10:21] = np.nan  # windows (4, overlap 0.1): rows 0-10, 10-20, 20-30, 29-39
+    (s,) = read_series(pd.DataFrame({"time": np.arange(40.0), "x": x}), source="mem")
+    check_windows(s, 2)
+    with pytest.raises(GappedSeriesError, match=r"mem, column 'x': window 1 of 4 \(rows 10..20"):
+        check_windows(s, 4, overlap=0.1)
+
+
+def test_shipped_co2_has_the_59_real_gaps():
+    s = load_co2()
+    assert s.values.shape == (2284, 1) and int((~s.observed).sum()) == 59
+    np.testing.assert_allclose(np.diff(s.times), 7.0)
+    assert 310 < np.nanmin(s.values) and np.nanmax(s.values) < 380
