@@ -1,0 +1,793 @@
+"""Wearable behavioural data in, hourly tables and participant-weeks out.
+
+Every reader returns the same table: a :class:`pandas.DataFrame` indexed by **tz-naive local
+wall-clock hours** (each record placed by its own UTC offset, so nights stay nights across travel
+and daylight-saving changes), one float column per variable, and **NaN where an hour has no record
+of a variable** (never 0).
+
+* :func:`read_healthkit` — Apple Health ``export.xml`` (streamed with expat in bounded memory).
+* :func:`read_fitbit` — Fitbit's account export (JSON files per measure, ``steps-2020-01-01.json``).
+* :func:`read_long` — a long CSV/Parquet file or DataFrame ``timestamp, variable, value``.
+* :func:`aggregate_minutes` / :func:`read_actigraphy` — minute-level actigraphy to hours.
+* :func:`to_weeks` — ``(values (W, 168, V), observed, week_starts)`` z-scored per variable, with
+  the statistics in ``.stats`` (store them in the model with ``model.set_zscore``).
+
+Apple Health rules (all tested in ``tests/data_loaders/test_wearables.py``):
+
+* *Cumulative* quantities (``steps, distance_km, flights, active_kcal, basal_kcal, exercise_min,
+  stand_min``): an interval record is split across the hours it overlaps in proportion to the
+  overlap (a record from 23:50 to 00:10 puts half its value in each day). When several sources
+  (iPhone and Watch) record the same quantity in an hour, the hour counts **one** source, the one
+  with the largest hourly total, never their sum (both devices count the same steps).
+* *Samples* (``heart_rate, resting_hr, walking_hr, hrv_sdnn, respiratory_rate, spo2, wrist_temp,
+  vo2max, walking_speed, step_length, walking_asymmetry, double_support, body_mass``): the mean of
+  the samples that start in the hour, over all sources.
+* *Sleep* (``HKCategoryTypeIdentifierSleepAnalysis``): ``sleep_min`` = minutes of the hour covered by
+  asleep values (Core, Deep, REM, Unspecified, and the legacy Asleep), ``in_bed_min`` = minutes
+  covered by InBed; overlapping records (two devices) are counted once (their union); Awake counts
+  as neither.
+* Units are converted to the column's unit (mi -> km, kJ -> kcal, degF -> degC, lb -> kg, ...);
+  HealthKit's ``%`` holds fractions (0.97), converted to percent (97). An unknown unit is an error.
+* A record's wall-clock start is its written local time; its duration is taken in absolute time
+  (end minus start, both with their offsets), so a record spanning a DST change keeps its length.
+
+Security: the export carries an internal DTD; entity declarations of any kind (external entities
+that would read files, or nested internal ones that expand exponentially) are refused with an
+error, and external DTDs and parameter entities are never loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+from xml.parsers import expat
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "HealthDataError",
+    "VARIABLES",
+    "CUMULATIVE",
+    "SAMPLES",
+    "SLEEP",
+    "HEALTHKIT_TYPES",
+    "read_healthkit",
+    "read_fitbit",
+    "read_long",
+    "aggregate_minutes",
+    "read_actigraphy",
+    "hourly_table",
+    "ZScoreStats",
+    "Weeks",
+    "to_weeks",
+]
+
+
+class HealthDataError(ValueError):
+    """A wearable file that cannot be read: names the file, the field and what was expected."""
+
+
+#: (scale, offset): value_in_column_unit = value * scale + offset
+_COUNT = {"count": (1.0, 0.0)}
+_KCAL = {"kcal": (1.0, 0.0), "Cal": (1.0, 0.0), "kJ": (1 / 4.184, 0.0), "cal": (1e-3, 0.0), "J": (1 / 4184.0, 0.0)}
+_MINUTES = {"min": (1.0, 0.0), "s": (1 / 60, 0.0), "hr": (60.0, 0.0)}
+_BPM = {"count/min": (1.0, 0.0), "count/s": (60.0, 0.0)}
+_PERCENT = {"%": (100.0, 0.0)}  # HealthKit's percent unit stores fractions: 0.97 is 97 %
+
+#: HealthKit quantity type -> (column, kind, accepted units)
+HEALTHKIT_TYPES: dict[str, tuple[str, str, dict[str, tuple[float, float]]]] = {
+    "HKQuantityTypeIdentifierStepCount": ("steps", "cumulative", _COUNT),
+    "HKQuantityTypeIdentifierDistanceWalkingRunning": (
+        "distance_km", "cumulative",
+        {"km": (1.0, 0.0), "mi": (1.609344, 0.0), "m": (1e-3, 0.0), "ft": (3.048e-4, 0.0), "yd": (9.144e-4, 0.0)}),
+    "HKQuantityTypeIdentifierFlightsClimbed": ("flights", "cumulative", _COUNT),
+    "HKQuantityTypeIdentifierActiveEnergyBurned": ("active_kcal", "cumulative", _KCAL),
+    "HKQuantityTypeIdentifierBasalEnergyBurned": ("basal_kcal", "cumulative", _KCAL),
+    "HKQuantityTypeIdentifierAppleExerciseTime": ("exercise_min", "cumulative", _MINUTES),
+    "HKQuantityTypeIdentifierAppleStandTime": ("stand_min", "cumulative", _MINUTES),
+    "HKQuantityTypeIdentifierHeartRate": ("heart_rate", "sample", _BPM),
+    "HKQuantityTypeIdentifierRestingHeartRate": ("resting_hr", "sample", _BPM),
+    "HKQuantityTypeIdentifierWalkingHeartRateAverage": ("walking_hr", "sample", _BPM),
+    "HKQuantityTypeIdentifierHeartRateVariabilitySDNN": ("hrv_sdnn", "sample", {"ms": (1.0, 0.0), "s": (1e3, 0.0)}),
+    "HKQuantityTypeIdentifierRespiratoryRate": ("respiratory_rate", "sample", _BPM),
+    "HKQuantityTypeIdentifierOxygenSaturation": ("spo2", "sample", _PERCENT),
+    "HKQuantityTypeIdentifierAppleSleepingWristTemperature": (
+        "wrist_temp", "sample", {"degC": (1.0, 0.0), "degF": (5 / 9, -32 * 5 / 9)}),
+    "HKQuantityTypeIdentifierVO2Max": ("vo2max", "sample", {"mL/min·kg": (1.0, 0.0), "mL/(kg·min)": (1.0, 0.0),
+                                                            "ml/(kg*min)": (1.0, 0.0)}),
+    "HKQuantityTypeIdentifierWalkingSpeed": (
+        "walking_speed", "sample", {"km/hr": (1.0, 0.0), "mi/hr": (1.609344, 0.0), "m/s": (3.6, 0.0)}),
+    "HKQuantityTypeIdentifierWalkingStepLength": (
+        "step_length", "sample", {"cm": (1.0, 0.0), "m": (100.0, 0.0), "in": (2.54, 0.0), "ft": (30.48, 0.0)}),
+    "HKQuantityTypeIdentifierWalkingAsymmetryPercentage": ("walking_asymmetry", "sample", _PERCENT),
+    "HKQuantityTypeIdentifierWalkingDoubleSupportPercentage": ("double_support", "sample", _PERCENT),
+    "HKQuantityTypeIdentifierBodyMass": (
+        "body_mass", "sample", {"kg": (1.0, 0.0), "lb": (0.45359237, 0.0), "g": (1e-3, 0.0), "st": (6.35029318, 0.0)}),
+}
+SLEEP_TYPE = "HKCategoryTypeIdentifierSleepAnalysis"
+_ASLEEP = {"HKCategoryValueSleepAnalysisAsleep", "HKCategoryValueSleepAnalysisAsleepUnspecified",
+           "HKCategoryValueSleepAnalysisAsleepCore", "HKCategoryValueSleepAnalysisAsleepDeep",
+           "HKCategoryValueSleepAnalysisAsleepREM"}
+_IN_BED = {"HKCategoryValueSleepAnalysisInBed"}
+_AWAKE = {"HKCategoryValueSleepAnalysisAwake"}
+
+CUMULATIVE = tuple(v for v, k, _ in HEALTHKIT_TYPES.values() if k == "cumulative")
+SAMPLES = tuple(v for v, k, _ in HEALTHKIT_TYPES.values() if k == "sample")
+SLEEP = ("sleep_min", "in_bed_min")
+#: every column :func:`read_healthkit` can produce, in this order (the models' default input)
+VARIABLES = CUMULATIVE + SAMPLES + SLEEP
+#: how each known variable aggregates to an hour in the other readers (sum or mean)
+_KINDS = {**{v: "cumulative" for v in CUMULATIVE + SLEEP + ("total_kcal", "activity_counts")},
+          **{v: "sample" for v in SAMPLES}}
+
+_HOUR = 3600
+
+
+def _check_variables(variables: Iterable[str] | None, known: Sequence[str], where: str) -> list[str]:
+    if variables is None:
+        return list(known)
+    variables = [variables] if isinstance(variables, str) else list(variables)
+    unknown = [v for v in variables if v not in known]
+    if unknown:
+        raise ValueError(f"{where}: unknown variable(s) {unknown}; known: {list(known)}")
+    return variables
+
+
+# --------------------------------------------------------------------------- Apple Health dates
+
+
+_DAYS_BEFORE_MONTH = np.array([0, 0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334], dtype=np.int64)
+
+
+def _days_from_civil(y, m, d):
+    """Days since 1970-01-01 of proleptic Gregorian dates (vectorised)."""
+    leap_before = (y - 1) // 4 - (y - 1) // 100 + (y - 1) // 400 - (1969 // 4 - 1969 // 100 + 1969 // 400)
+    is_leap = ((y % 4 == 0) & (y % 100 != 0)) | (y % 400 == 0)
+    return (y - 1970) * 365 + leap_before + _DAYS_BEFORE_MONTH[m] + (is_leap & (m > 2)) + d - 1
+
+
+def _parse_hk_dates(strings: list[str], path, field: str) -> tuple[np.ndarray, np.ndarray]:
+    """``"2023-03-26 01:30:00 +0100"`` -> (local wall-clock seconds since 1970, UTC offset seconds)."""
+    arr = np.array(strings, dtype="U25")
+    codes = arr.view(np.uint32).reshape(len(arr), 25).astype(np.int64)
+    digits = codes - 48
+    d_pos = [0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15, 17, 18, 21, 22, 23, 24]
+    ok = ((digits[:, d_pos] >= 0) & (digits[:, d_pos] <= 9)).all(1)
+    ok &= (codes[:, 4] == 45) & (codes[:, 7] == 45) & (codes[:, 10] == 32) & (codes[:, 13] == 58)
+    ok &= (codes[:, 16] == 58) & (codes[:, 19] == 32) & ((codes[:, 20] == 43) | (codes[:, 20] == 45))
+    ok &= np.char.str_len(arr) == 25
+    if not ok.all():
+        bad = strings[int(np.flatnonzero(~ok)[0])]
+        raise HealthDataError(f"{path}: Record {field}={bad!r}: expected 'YYYY-MM-DD hh:mm:ss +hhmm' "
+                              "(Apple Health's date format)")
+
+    def num(a, b):
+        out = np.zeros(len(arr), dtype=np.int64)
+        for i in range(a, b):
+            out = out * 10 + digits[:, i]
+        return out
+
+    y, mo, d = num(0, 4), num(5, 7), num(8, 10)
+    hh, mm, ss = num(11, 13), num(14, 16), num(17, 19)
+    if ((mo < 1) | (mo > 12) | (d < 1) | (d > 31) | (hh > 23) | (mm > 59) | (ss > 60)).any():
+        bad = strings[int(np.flatnonzero((mo < 1) | (mo > 12) | (d < 1) | (d > 31) | (hh > 23) | (mm > 59))[0])]
+        raise HealthDataError(f"{path}: Record {field}={bad!r}: month, day or time out of range")
+    sign = np.where(codes[:, 20] == 45, -1, 1)
+    offset = sign * (num(21, 23) * 3600 + num(23, 25) * 60)
+    local = _days_from_civil(y, mo, d) * 86400 + hh * 3600 + mm * 60 + ss
+    return local, offset
+
+
+# --------------------------------------------------------------------------- hourly accumulators
+
+
+class _Accumulator:
+    """Hourly sums keyed by integers, compressed by group-by whenever the buffer grows (bounded
+    memory: the size is the number of distinct keys, not of records)."""
+
+    def __init__(self, columns: Sequence[str], limit: int = 2_000_000):
+        self.columns, self.limit = list(columns), limit
+        self.parts: list[pd.DataFrame] = []
+        self.rows = 0
+
+    def add(self, frame: pd.DataFrame) -> None:
+        if len(frame):
+            self.parts.append(frame)
+            self.rows += len(frame)
+            if self.rows > self.limit:
+                self.parts = [self.result()]
+                self.rows = len(self.parts[0])
+
+    def result(self) -> pd.DataFrame:
+        if not self.parts:
+            return pd.DataFrame(columns=self.columns + ["sum", "count"])
+        frame = pd.concat(self.parts, ignore_index=True)
+        return frame.groupby(self.columns, as_index=False, sort=False)[["sum", "count"]].sum()
+
+
+def _merge_intervals(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Union of intervals ``[start, end)`` as sorted disjoint intervals."""
+    if len(starts) == 0:
+        return starts, ends
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    running_end = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > running_end[:-1]
+    return s[new], np.maximum.reduceat(e, np.flatnonzero(new))
+
+
+def _split_hours(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of intervals ``[start, end)`` (seconds) per hour: (record index, hour, overlap seconds).
+    A zero-length interval gives one piece of overlap 0 in its hour."""
+    h0 = np.floor_divide(start, _HOUR)
+    h1 = np.where(end > start, np.floor_divide(end - 1, _HOUR), h0)
+    counts = (h1 - h0 + 1).astype(np.int64)
+    idx = np.repeat(np.arange(len(start)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    hour = h0[idx] + (np.arange(len(idx)) - first)
+    overlap = np.minimum(end[idx], (hour + 1) * _HOUR) - np.maximum(start[idx], hour * _HOUR)
+    return idx, hour, overlap
+
+
+class _HourlyBuilder:
+    """Collects cumulative records (per source), samples and sleep intervals; emits the hourly table."""
+
+    def __init__(self, variables: Sequence[str], start=None, end=None):
+        self.variables = list(variables)
+        self.var_id = {v: i for i, v in enumerate(self.variables)}
+        self.sources: dict[str, int] = {}
+        self.cumulative = _Accumulator(["var", "source", "hour"])
+        self.samples = _Accumulator(["var", "hour"])
+        self.sleep: dict[str, tuple[np.ndarray, np.ndarray]] = {
+            v: (np.zeros(0, np.int64), np.zeros(0, np.int64)) for v in SLEEP}
+        self.lo = None if start is None else int(pd.Timestamp(start).value // 10**9)
+        self.hi = None if end is None else int(pd.Timestamp(end).value // 10**9)
+
+    def _window(self, start: np.ndarray, end: np.ndarray | None) -> np.ndarray:
+        """Records that reach into ``[start, end)`` of the read (samples by their start)."""
+        keep = np.ones(len(start), dtype=bool)
+        if self.lo is not None:
+            keep &= (start >= self.lo) if end is None else ((end > self.lo) | (start >= self.lo))
+        if self.hi is not None:
+            keep &= start < self.hi
+        return keep
+
+    def source_ids(self, names: Sequence[str]) -> np.ndarray:
+        codes, uniques = pd.factorize(pd.Series(names, dtype=object))
+        table = np.array([self.sources.setdefault(u, len(self.sources)) for u in uniques], dtype=np.int64)
+        return table[codes]
+
+    def add_cumulative(self, var: np.ndarray, source: np.ndarray, start: np.ndarray, end: np.ndarray,
+                       value: np.ndarray) -> None:
+        keep = self._window(start, end)
+        var, source, start, end, value = var[keep], source[keep], start[keep], end[keep], value[keep]
+        idx, hour, overlap = _split_hours(start, end)
+        duration = (end - start)[idx]
+        share = np.where(duration > 0, overlap / np.maximum(duration, 1), 1.0)
+        self.cumulative.add(pd.DataFrame({"var": var[idx], "source": source[idx], "hour": hour,
+                                          "sum": value[idx] * share, "count": np.ones(len(idx), np.int64)}))
+
+    def add_samples(self, var: np.ndarray, start: np.ndarray, value: np.ndarray) -> None:
+        keep = self._window(start, None)
+        self.samples.add(pd.DataFrame({"var": var[keep], "hour": np.floor_divide(start[keep], _HOUR),
+                                       "sum": value[keep], "count": np.ones(int(keep.sum()), np.int64)}))
+
+    def add_sleep(self, column: str, start: np.ndarray, end: np.ndarray) -> None:
+        keep = self._window(start, end)
+        s0, e0 = self.sleep[column]
+        self.sleep[column] = _merge_intervals(np.concatenate([s0, start[keep]]), np.concatenate([e0, end[keep]]))
+
+    def table(self) -> pd.DataFrame:
+        pieces: dict[str, pd.Series] = {}
+        cum = self.cumulative.result()
+        if len(cum):
+            # one source per (variable, hour): the one with the largest hourly total
+            best = cum.loc[cum.groupby(["var", "hour"], sort=False)["sum"].idxmax()]
+            for var_id, group in best.groupby("var"):
+                pieces[self.variables[int(var_id)]] = pd.Series(group["sum"].to_numpy(float),
+                                                                index=group["hour"].to_numpy(np.int64))
+        smp = self.samples.result()
+        if len(smp):
+            for var_id, group in smp.groupby("var"):
+                pieces[self.variables[int(var_id)]] = pd.Series((group["sum"] / group["count"]).to_numpy(float),
+                                                                index=group["hour"].to_numpy(np.int64))
+        for column, (s, e) in self.sleep.items():
+            if column in self.var_id and len(s):
+                _, hour, overlap = _split_hours(s, e)
+                minutes = pd.Series(overlap / 60.0).groupby(hour).sum()
+                pieces[column] = minutes[minutes > 0]
+        return _assemble(pieces, self.variables, self.lo, self.hi)
+
+
+def _assemble(pieces: Mapping[str, pd.Series], variables: Sequence[str], lo=None, hi=None) -> pd.DataFrame:
+    """Hour-integer series -> a table on the full hourly range (NaN where a variable has no record)."""
+    hours = [s.index.to_numpy(np.int64) for s in pieces.values() if len(s)]
+    if not hours:
+        index = pd.DatetimeIndex([], name="time")
+        return pd.DataFrame({v: pd.Series(dtype=float) for v in variables}, index=index)
+    first = min(int(h.min()) for h in hours)
+    last = max(int(h.max()) for h in hours)
+    if lo is not None:
+        first = max(first, lo // _HOUR)
+    if hi is not None:
+        last = min(last, (hi - 1) // _HOUR)
+    grid = np.arange(first, last + 1, dtype=np.int64)
+    data = {}
+    for v in variables:
+        s = pieces.get(v)
+        data[v] = np.full(len(grid), np.nan) if s is None else s.reindex(grid).to_numpy(float)
+    index = pd.DatetimeIndex(pd.to_datetime(grid * _HOUR, unit="s"), name="time")
+    return pd.DataFrame(data, index=index)
+
+
+# --------------------------------------------------------------------------- read_healthkit
+
+
+def read_healthkit(path: str | os.PathLike, *, variables: Iterable[str] | None = None, start=None, end=None,
+                   batch_size: int = 200_000, return_stats: bool = False):
+    """Read an Apple Health ``export.xml`` into an hourly table (rules in the module docstring).
+
+    The file is streamed through expat (no tree is built; every ``Record`` is read from its start
+    tag and dropped), records of interest are buffered ``batch_size`` at a time and folded into
+    per-hour accumulators, so memory depends on the number of hours and sources, not on the file.
+
+    Args:
+        path: the ``export.xml`` file (the ``apple_health_export`` folder's main file).
+        variables: columns to produce (default :data:`VARIABLES`); records of other types are skipped.
+        start, end: keep hours in ``[start, end)`` (local wall-clock, anything ``pandas.Timestamp`` reads).
+        batch_size: records buffered before they are folded into the accumulators.
+        return_stats: also return ``{"records", "used", "bytes"}`` (for benchmarks).
+
+    Returns:
+        a DataFrame indexed by tz-naive local hours (``time``), one float column per variable.
+
+    Raises:
+        HealthDataError: not an Apple Health export, malformed or truncated XML, an entity
+        declaration, a missing attribute, a bad date, value or unit. The message names the file
+        and, where it has one, the line.
+    """
+    path = Path(path)
+    variables = _check_variables(variables, VARIABLES, "read_healthkit")
+    builder = _HourlyBuilder(variables, start, end)
+    wanted: dict[str, int] = {}
+    for hk_type, (column, _, _) in HEALTHKIT_TYPES.items():
+        if column in builder.var_id:
+            wanted[hk_type] = builder.var_id[column]
+    want_sleep = any(v in builder.var_id for v in SLEEP)
+    if want_sleep:
+        wanted[SLEEP_TYPE] = -1
+    buffer: list[tuple] = []
+    state = {"records": 0, "used": 0, "root": None}
+    parser = expat.ParserCreate()
+
+    def refuse_entity(name, *args):
+        raise HealthDataError(
+            f"{path}: line {parser.CurrentLineNumber}: the XML declares entity {name!r}; entity declarations are "
+            "refused (an Apple Health export has none, and external or nested entities are an attack vector)")
+
+    def refuse_external(context, base, system_id, public_id):
+        raise HealthDataError(f"{path}: line {parser.CurrentLineNumber}: reference to external entity "
+                              f"{system_id!r} refused (external entities are never read)")
+
+    def start_element(name, attrs):
+        if state["root"] is None:
+            state["root"] = name
+            if name != "HealthData":
+                raise HealthDataError(f"{path}: root element is <{name}>, expected <HealthData>: not an Apple Health "
+                                      "export.xml")
+        if name != "Record":
+            return
+        state["records"] += 1
+        var = wanted.get(attrs.get("type"))
+        if var is None:
+            return
+        try:
+            buffer.append((var, attrs.get("sourceName", ""), attrs.get("unit", ""), attrs["startDate"],
+                           attrs["endDate"], attrs["value"]))
+        except KeyError as exc:
+            raise HealthDataError(f"{path}: line {parser.CurrentLineNumber}: Record of type {attrs.get('type')!r} "
+                                  f"has no {exc.args[0]!r} attribute") from None
+        if len(buffer) >= batch_size:
+            _fold(buffer, builder, path)
+            state["used"] += len(buffer)
+            buffer.clear()
+
+    parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
+    parser.EntityDeclHandler = refuse_entity
+    parser.UnparsedEntityDeclHandler = refuse_entity
+    parser.ExternalEntityRefHandler = refuse_external
+    parser.StartElementHandler = start_element
+    try:
+        with open(path, "rb") as f:
+            parser.ParseFile(f)
+    except expat.ExpatError as exc:
+        what = "truncated" if "no element found" in str(exc) or "unclosed token" in str(exc) else "malformed"
+        raise HealthDataError(f"{path}: {what} XML at line {exc.lineno}, column {exc.offset}: "
+                              f"{expat.ErrorString(exc.code)}") from None
+    except FileNotFoundError:
+        raise HealthDataError(f"{path}: no such file (expected Apple Health's export.xml)") from None
+    if state["root"] is None:
+        raise HealthDataError(f"{path}: no XML element found: not an Apple Health export.xml")
+    if buffer:
+        _fold(buffer, builder, path)
+        state["used"] += len(buffer)
+    table = builder.table()
+    if return_stats:
+        return table, {"records": state["records"], "used": state["used"], "bytes": path.stat().st_size}
+    return table
+
+
+def _fold(buffer: list[tuple], builder: _HourlyBuilder, path) -> None:
+    """Vectorised: dates, units, values and hour splitting of one batch of records."""
+    var_col, source_col, unit_col, start_col, end_col, value_col = zip(*buffer)
+    var = np.asarray(var_col, dtype=np.int64)
+    local_start, off_start = _parse_hk_dates(list(start_col), path, "startDate")
+    local_end, off_end = _parse_hk_dates(list(end_col), path, "endDate")
+    duration = (local_end - off_end) - (local_start - off_start)
+    if (duration < 0).any():
+        i = int(np.flatnonzero(duration < 0)[0])
+        raise HealthDataError(f"{path}: Record with startDate={start_col[i]!r} ends before it starts "
+                              f"(endDate={end_col[i]!r})")
+    start = local_start
+    end = local_start + duration  # wall-clock of the start, true duration (DST-safe)
+
+    sleep = var == -1
+    if sleep.any():
+        values = np.asarray(value_col, dtype=object)[sleep]
+        known = _ASLEEP | _IN_BED | _AWAKE
+        bad = [v for v in set(values.tolist()) if v not in known]
+        if bad:
+            raise HealthDataError(f"{path}: {SLEEP_TYPE} value {bad[0]!r} is not a known sleep category; expected "
+                                  f"one of {sorted(known)}")
+        for column, accepted in (("sleep_min", _ASLEEP), ("in_bed_min", _IN_BED)):
+            if column in builder.var_id:
+                pick = np.isin(values, list(accepted))
+                builder.add_sleep(column, start[sleep][pick], end[sleep][pick])
+    quantity = ~sleep
+    if not quantity.any():
+        return
+    qi = np.flatnonzero(quantity)
+    try:
+        value = np.asarray([value_col[i] for i in qi], dtype=np.float64)
+    except ValueError:
+        for i in qi:
+            try:
+                float(value_col[i])
+            except ValueError:
+                raise HealthDataError(f"{path}: Record value={value_col[i]!r} (startDate {start_col[i]!r}) is not a "
+                                      "number") from None
+        raise
+    qvar = var[qi]
+    units = pd.Series([unit_col[i] for i in qi], dtype=object)
+    scale = np.empty(len(qi))
+    offset = np.empty(len(qi))
+    pairs = pd.DataFrame({"var": qvar, "unit": units})
+    for (v, unit), rows in pairs.groupby(["var", "unit"], sort=False).indices.items():
+        column = builder.variables[int(v)]
+        hk_type = next(t for t, (c, _, _) in HEALTHKIT_TYPES.items() if c == column)
+        accepted = HEALTHKIT_TYPES[hk_type][2]
+        if unit not in accepted:
+            raise HealthDataError(f"{path}: {hk_type} record with unit={unit!r}: expected one of {sorted(accepted)}")
+        scale[rows], offset[rows] = accepted[unit]
+    value = value * scale + offset
+    source_ids = builder.source_ids([source_col[i] for i in qi])
+    is_cum = np.isin(qvar, [builder.var_id[c] for c in CUMULATIVE if c in builder.var_id])
+    if is_cum.any():
+        builder.add_cumulative(qvar[is_cum], source_ids[is_cum], start[qi][is_cum], end[qi][is_cum], value[is_cum])
+    if (~is_cum).any():
+        builder.add_samples(qvar[~is_cum], start[qi][~is_cum], value[~is_cum])
+
+
+# --------------------------------------------------------------------------- other formats
+
+
+_OFFSET_RE = re.compile(r"(?:[+-]\d{2}:?\d{2}|Z)$")
+
+
+def _wall_clock(values, where: str) -> pd.DatetimeIndex:
+    """Timestamps as written (a trailing UTC offset is dropped: the wall-clock time is kept)."""
+    series = pd.Series(values)
+    if pd.api.types.is_datetime64_any_dtype(series):
+        out = series.dt.tz_localize(None) if series.dt.tz is not None else series
+        return pd.DatetimeIndex(out)
+    text = series.astype(str).str.strip().str.replace(_OFFSET_RE, "", regex=True)
+    try:
+        return pd.DatetimeIndex(pd.to_datetime(text, format="ISO8601"))
+    except (ValueError, TypeError) as exc:
+        raise HealthDataError(f"{where}: timestamp column: expected ISO 8601 date-times ({exc})") from None
+
+
+def hourly_table(timestamps, variables, values, *, kinds: Mapping[str, str] | None = None,
+                 where: str = "hourly_table") -> pd.DataFrame:
+    """Point records (wall-clock time, variable, value) -> the hourly table: cumulative variables
+    summed per hour, samples averaged; hours without a record are NaN."""
+    kinds = {**_KINDS, **dict(kinds or {})}
+    frame = pd.DataFrame({"hour": np.asarray(pd.DatetimeIndex(timestamps).floor("h").asi8 // 10**9 // _HOUR),
+                          "variable": np.asarray(variables, dtype=object), "value": np.asarray(values, dtype=float)})
+    frame = frame[np.isfinite(frame["value"])]
+    unknown = sorted(set(frame["variable"]) - set(kinds))
+    if unknown:
+        raise HealthDataError(f"{where}: variable(s) {unknown} have no known aggregation; pass "
+                              "kinds={name: 'cumulative' | 'sample'}")
+    pieces = {}
+    for name, group in frame.groupby("variable", sort=False):
+        agg = group.groupby("hour")["value"]
+        pieces[name] = agg.sum() if kinds[name] == "cumulative" else agg.mean()
+    order = [v for v in VARIABLES if v in pieces] + sorted(v for v in pieces if v not in VARIABLES)
+    return _assemble(pieces, order)
+
+
+def read_long(source, *, variables: Iterable[str] | None = None, kinds: Mapping[str, str] | None = None,
+              columns: tuple[str, str, str] = ("timestamp", "variable", "value")) -> pd.DataFrame:
+    """A long table ``timestamp, variable, value`` (CSV, Parquet or a DataFrame) -> the hourly table.
+
+    Timestamps are local wall-clock times (a written UTC offset is dropped, keeping the local
+    time). Variables aggregate by kind: cumulative ones (the HealthKit cumulative names, sleep
+    minutes, ``total_kcal``, ``activity_counts``) are summed per hour, samples averaged; other
+    names need ``kinds``.
+    """
+    where = str(source) if not isinstance(source, pd.DataFrame) else "DataFrame"
+    if isinstance(source, pd.DataFrame):
+        frame = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise HealthDataError(f"{path}: no such file (expected a CSV or Parquet table)")
+        frame = pd.read_parquet(path) if path.suffix.lower() in {".parquet", ".pq"} else pd.read_csv(path)
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise HealthDataError(f"{where}: missing column(s) {missing}; expected columns {list(columns)}")
+    ts, var, val = columns
+    frame = frame[[ts, var, val]]
+    if variables is not None:
+        variables = [variables] if isinstance(variables, str) else list(variables)
+        frame = frame[frame[var].isin(variables)]
+    try:
+        values = pd.to_numeric(frame[val])
+    except (ValueError, TypeError):
+        raise HealthDataError(f"{where}: column {val!r} must hold numbers") from None
+    table = hourly_table(_wall_clock(frame[ts], where), frame[var].astype(str), values, kinds=kinds, where=where)
+    if variables is not None:
+        table = table.reindex(columns=variables)
+    return table
+
+
+def aggregate_minutes(frame: pd.DataFrame, *, timestamp: str = "timestamp", cumulative: Sequence[str] = (),
+                      samples: Sequence[str] = (), sleep: str | None = None, min_minutes: int = 30,
+                      where: str = "actigraphy") -> pd.DataFrame:
+    """Minute-level actigraphy -> hours.
+
+    ``cumulative`` columns (activity counts, steps, kcal) are summed, ``samples`` (heart rate)
+    averaged, and ``sleep`` (a 0/1 asleep flag per minute) becomes ``sleep_min``. An hour with
+    fewer than ``min_minutes`` recorded minutes of a column is missing (NaN): a device worn for
+    five minutes does not give a five-minute hourly total.
+    """
+    needed = [timestamp, *cumulative, *samples] + ([sleep] if sleep else [])
+    missing = [c for c in needed if c not in frame.columns]
+    if missing:
+        raise HealthDataError(f"{where}: missing column(s) {missing}; columns are {list(frame.columns)}")
+    if not 1 <= min_minutes <= 60:
+        raise ValueError(f"aggregate_minutes: min_minutes={min_minutes}: expected 1..60")
+    index = _wall_clock(frame[timestamp], where)
+    data = frame.drop(columns=[timestamp]).set_index(index.floor("min"))
+    data = data[~data.index.duplicated(keep="first")]
+    hours = data.index.floor("h")
+    pieces = {}
+    for column, how in [(c, "sum") for c in cumulative] + [(c, "mean") for c in samples] + \
+            ([(sleep, "sleep")] if sleep else []):
+        try:
+            series = pd.to_numeric(data[column])
+        except (ValueError, TypeError):
+            raise HealthDataError(f"{where}: column {column!r} must hold numbers") from None
+        grouped = series.groupby(hours)
+        counts = grouped.count()
+        agg = grouped.mean() if how == "mean" else grouped.sum()
+        agg = agg.where(counts >= min_minutes)
+        name = "sleep_min" if how == "sleep" else column
+        pieces[name] = pd.Series(agg.to_numpy(float), index=agg.index.asi8 // 10**9 // _HOUR)
+    order = [v for v in VARIABLES if v in pieces] + [v for v in pieces if v not in VARIABLES]
+    return _assemble(pieces, order)
+
+
+def read_actigraphy(path: str | os.PathLike, *, timestamp: str = "timestamp", cumulative: Sequence[str] = ("activity",),
+                    samples: Sequence[str] = (), sleep: str | None = None, min_minutes: int = 30) -> pd.DataFrame:
+    """A minute-level actigraphy CSV/Parquet file -> hours (see :func:`aggregate_minutes`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise HealthDataError(f"{path}: no such file (expected a minute-level CSV or Parquet file)")
+    frame = pd.read_parquet(path) if path.suffix.lower() in {".parquet", ".pq"} else pd.read_csv(path)
+    return aggregate_minutes(frame, timestamp=timestamp, cumulative=cumulative, samples=samples, sleep=sleep,
+                             min_minutes=min_minutes, where=str(path))
+
+
+#: Fitbit export measure -> (column, kind, scale to the column's unit)
+FITBIT_MEASURES = {
+    "steps": ("steps", "cumulative", 1.0),
+    "distance": ("distance_km", "cumulative", 1e-5),  # Fitbit's export writes centimetres
+    "calories": ("total_kcal", "cumulative", 1.0),  # total (not active) energy per minute
+    "heart_rate": ("heart_rate", "sample", 1.0),
+    "sleep": (None, "sleep", 1.0),
+}
+_FITBIT_FILE = re.compile(r"^(?P<measure>[a-z_]+)-\d{4}-\d{2}-\d{2}\.json$")
+_FITBIT_ASLEEP = {"asleep", "light", "deep", "rem", "restless"}
+
+
+def _fitbit_time(text: str, path: Path) -> pd.Timestamp:
+    try:
+        if "/" in text:  # "01/31/20 23:59:00"
+            return pd.Timestamp(pd.to_datetime(text, format="%m/%d/%y %H:%M:%S"))
+        return pd.Timestamp(text[:19])  # "2020-01-31T23:59:00.000"
+    except (ValueError, TypeError):
+        raise HealthDataError(f"{path}: dateTime={text!r}: expected 'MM/DD/YY hh:mm:ss' or ISO 8601") from None
+
+
+def read_fitbit(folder: str | os.PathLike, *, variables: Iterable[str] | None = None, tz: str | None = None) -> pd.DataFrame:
+    """Fitbit's account export: ``<measure>-YYYY-MM-DD.json`` files (steps, distance, calories,
+    heart_rate, sleep) under ``folder`` -> the hourly table.
+
+    Minute values are summed (steps, distance in cm -> km, calories -> ``total_kcal``) or averaged
+    (heart rate ``value.bpm``) per hour; sleep logs' ``levels.data`` stages (asleep, light, deep,
+    rem, restless) give ``sleep_min`` and the whole log span ``in_bed_min``. Times are taken as
+    written (local wall-clock); with ``tz`` they are read as UTC and converted to that zone's
+    wall-clock time.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HealthDataError(f"{folder}: not a folder (expected Fitbit's export with <measure>-YYYY-MM-DD.json)")
+    files = sorted(p for p in folder.rglob("*.json") if _FITBIT_FILE.match(p.name)
+                   and _FITBIT_FILE.match(p.name)["measure"] in FITBIT_MEASURES)
+    if not files:
+        raise HealthDataError(f"{folder}: no Fitbit measure files (<measure>-YYYY-MM-DD.json for "
+                              f"{sorted(FITBIT_MEASURES)})")
+    times, names, values = [], [], []
+    sleep: dict[str, list[tuple[pd.Timestamp, pd.Timestamp]]] = {"sleep_min": [], "in_bed_min": []}
+    for path in files:
+        measure = _FITBIT_FILE.match(path.name)["measure"]
+        column, kind, scale = FITBIT_MEASURES[measure]
+        try:
+            entries = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise HealthDataError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(entries, list):
+            raise HealthDataError(f"{path}: expected a JSON list of entries, got {type(entries).__name__}")
+        for entry in entries:
+            if kind == "sleep":
+                try:
+                    begin, finish = _fitbit_time(entry["startTime"], path), _fitbit_time(entry["endTime"], path)
+                    levels = entry.get("levels", {}).get("data", [])
+                except (KeyError, TypeError, AttributeError):
+                    raise HealthDataError(f"{path}: sleep log without startTime/endTime") from None
+                sleep["in_bed_min"].append((begin, finish))
+                for stage in levels:
+                    if stage.get("level") in _FITBIT_ASLEEP:
+                        s = _fitbit_time(stage["dateTime"], path)
+                        sleep["sleep_min"].append((s, s + pd.Timedelta(seconds=float(stage["seconds"]))))
+                continue
+            try:
+                raw = entry["value"]
+                raw = raw["bpm"] if isinstance(raw, dict) else raw
+                times.append(_fitbit_time(entry["dateTime"], path))
+                values.append(float(raw) * scale)
+                names.append(column)
+            except (KeyError, TypeError, ValueError):
+                raise HealthDataError(f"{path}: entry {entry!r}: expected dateTime and a numeric value "
+                                      "(or value.bpm)") from None
+    stamps = pd.DatetimeIndex(times)
+
+    def local(index: pd.DatetimeIndex) -> pd.DatetimeIndex:
+        return index.tz_localize("UTC").tz_convert(tz).tz_localize(None) if tz else index
+
+    table = hourly_table(local(stamps), names, values, where=str(folder)) if times else _assemble({}, [])
+    for column, spans in sleep.items():
+        if not spans:
+            continue
+        s = local(pd.DatetimeIndex([a for a, _ in spans])).asi8 // 10**9
+        e = local(pd.DatetimeIndex([b for _, b in spans])).asi8 // 10**9
+        s, e = _merge_intervals(s.astype(np.int64), e.astype(np.int64))
+        _, hour, overlap = _split_hours(s, e)
+        minutes = pd.Series(overlap / 60.0).groupby(hour).sum()
+        extra = _assemble({column: minutes[minutes > 0]}, [column])
+        table = table.join(extra, how="outer") if len(table.columns) else extra
+    table = table.asfreq("h") if len(table) else table
+    if variables is not None:
+        table = table.reindex(columns=_check_variables(variables, list(table.columns) + list(VARIABLES) +
+                                                       ["total_kcal"], "read_fitbit"))
+    return table
+
+
+# --------------------------------------------------------------------------- weeks
+
+
+@dataclass(frozen=True)
+class ZScoreStats:
+    """Per-variable mean and SD used to z-score; store them in the model (``model.set_zscore``)."""
+
+    variables: tuple[str, ...]
+    mean: np.ndarray
+    std: np.ndarray
+
+    @classmethod
+    def fit(cls, table: pd.DataFrame, variables: Sequence[str] | None = None) -> "ZScoreStats":
+        variables = list(variables or table.columns)
+        data = table.reindex(columns=variables).to_numpy(float)
+        with np.errstate(all="ignore"), pd.option_context("mode.chained_assignment", None):
+            mean = np.nanmean(np.where(np.isfinite(data), data, np.nan), axis=0) if len(data) else np.zeros(len(variables))
+            std = np.nanstd(data, axis=0) if len(data) else np.ones(len(variables))
+        mean = np.where(np.isfinite(mean), mean, 0.0)
+        std = np.where(np.isfinite(std) & (std > 1e-8), std, 1.0)  # constant or empty: leave unscaled
+        return cls(tuple(variables), mean, std)
+
+    @classmethod
+    def from_model(cls, model) -> "ZScoreStats":
+        info = model.zscore()
+        variables = info["variables"] or [f"var{i}" for i in range(len(info["mean"]))]
+        return cls(tuple(variables), np.asarray(info["mean"]), np.asarray(info["std"]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"variables": list(self.variables), "mean": self.mean.tolist(), "std": self.std.tolist()}
+
+
+class Weeks:
+    """What :func:`to_weeks` returns; unpacks as ``values, observed, week_starts`` and carries ``stats``.
+
+    ``values``: float32 ``(W, 168, V)`` z-scores, 0 where not observed; ``observed``: bool
+    ``(W, 168, V)``; ``week_starts``: the local Monday 00:00 of each week; ``stats``: the
+    :class:`ZScoreStats` applied.
+    """
+
+    def __init__(self, values, observed, week_starts, stats):
+        self.values, self.observed, self.week_starts, self.stats = values, observed, week_starts, stats
+
+    def __iter__(self):
+        return iter((self.values, self.observed, self.week_starts))
+
+    def __len__(self):
+        return len(self.values)
+
+
+def to_weeks(table: pd.DataFrame, *, variables: Sequence[str] | None = None, stats: ZScoreStats | None = None,
+             min_hours: int = 1, week_start: int = 0) -> Weeks:
+    """Cut an hourly table into participant-weeks (168 hours, starting on ``week_start``: 0 = Monday 00:00).
+
+    Args:
+        table: an hourly table from one of the readers (one participant).
+        variables: columns, in model input order (default: the table's; a missing column is all NaN).
+        stats: z-score statistics to apply (e.g. ``ZScoreStats.from_model(model)``); default:
+            fitted on ``table``.
+        min_hours: drop weeks with fewer hours than this that have any observed variable.
+
+    Returns:
+        :class:`Weeks` (``values, observed, week_starts = to_weeks(table)``; ``.stats``).
+    """
+    if not isinstance(table.index, pd.DatetimeIndex):
+        raise HealthDataError(f"to_weeks: the table's index must be a DatetimeIndex of hours, got "
+                              f"{type(table.index).__name__}")
+    if table.index.tz is not None:
+        raise HealthDataError("to_weeks: the table's index must be tz-naive local wall-clock hours")
+    variables = list(variables or (stats.variables if stats is not None else table.columns))
+    if stats is None:
+        stats = ZScoreStats.fit(table, variables)
+    elif list(stats.variables) != variables:
+        raise ValueError(f"to_weeks: stats are for variables {list(stats.variables)}, not {variables}")
+    data = table.reindex(columns=variables)
+    if not len(data):
+        n = len(variables)
+        return Weeks(np.zeros((0, 168, n), np.float32), np.zeros((0, 168, n), bool), pd.DatetimeIndex([]), stats)
+    hours = data.index.floor("h")
+    data = data.groupby(hours).mean()
+    first = data.index.min().normalize()
+    first -= pd.Timedelta(days=(first.weekday() - week_start) % 7)
+    last = data.index.max()
+    n_weeks = int((last - first) // pd.Timedelta(days=7)) + 1
+    grid = pd.date_range(first, periods=n_weeks * 168, freq="h")
+    raw = data.reindex(grid).to_numpy(float).reshape(n_weeks, 168, len(variables))
+    observed = np.isfinite(raw)
+    values = np.where(observed, (raw - stats.mean) / stats.std, 0.0).astype(np.float32)
+    keep = observed.any(-1).sum(1) >= max(min_hours, 1)
+    starts = pd.DatetimeIndex(grid[::168])[keep]
+    return Weeks(values[keep], observed[keep], starts, stats)

@@ -1,0 +1,318 @@
+"""Wearables data: every Apple Health rule on hand-written exports, bad and malicious files, the
+Fitbit / long-table / actigraphy readers, and participant-weeks."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from domainfm.data_loaders import wearables as W
+from domainfm.models.wearables import DEFAULT_VARIABLES
+
+HEADER = """<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE HealthData [
+<!ELEMENT HealthData (ExportDate,Me,(Record|Workout)*)>
+<!ATTLIST HealthData locale CDATA #REQUIRED>
+<!ELEMENT Record ((MetadataEntry|HeartRateVariabilityMetadataList)*)>
+<!ATTLIST Record type CDATA #REQUIRED unit CDATA #IMPLIED value CDATA #IMPLIED sourceName CDATA #REQUIRED
+  startDate CDATA #REQUIRED endDate CDATA #REQUIRED>
+]>
+<HealthData locale="en_GB">
+ <ExportDate value="2024-01-10 09:00:00 +0000"/>
+ <Me HKCharacteristicTypeIdentifierDateOfBirth="1980-01-01"/>
+"""
+HK = "HKQuantityTypeIdentifier"
+
+
+def rec(kind, start, end, value, unit="count", source="Watch", *, children=""):
+    t = kind if kind.startswith("HK") else HK + kind
+    unit_attr = f' unit="{unit}"' if unit is not None else ""
+    body = f">{children}</Record>" if children else "/>"
+    return (f' <Record type="{t}" sourceName="{source}"{unit_attr} creationDate="{end}" startDate="{start}" '
+            f'endDate="{end}" value="{value}"{body}\n')
+
+
+def export(tmp_path, *records, name="export.xml", header=HEADER):
+    path = tmp_path / name
+    path.write_text(header + "".join(records) + "</HealthData>\n", encoding="utf-8")
+    return path
+
+
+def hour(table, stamp, column):
+    return table.loc[pd.Timestamp(stamp), column]
+
+
+def test_variables_are_the_models_default_input():
+    assert W.VARIABLES == DEFAULT_VARIABLES
+
+
+def test_cumulative_split_across_hours_and_midnight(tmp_path):
+    path = export(tmp_path,
+                  rec("StepCount", "2024-01-01 09:50:00 +0000", "2024-01-01 10:10:00 +0000", 100),
+                  rec("StepCount", "2024-01-01 23:45:00 +0000", "2024-01-02 01:15:00 +0000", 900),
+                  rec("StepCount", "2024-01-01 12:00:00 +0000", "2024-01-01 12:00:00 +0000", 7),  # instant
+                  rec("DistanceWalkingRunning", "2024-01-01 10:30:00 +0000", "2024-01-01 11:30:00 +0000", 2.0,
+                      unit="mi"))
+    t = W.read_healthkit(path, variables=["steps", "distance_km"])
+    assert list(t.columns) == ["steps", "distance_km"]
+    assert t.index[0] == pd.Timestamp("2024-01-01 09:00") and t.index[-1] == pd.Timestamp("2024-01-02 01:00")
+    assert t.index.tz is None and len(t) == 17  # every hour from the first to the last record
+    assert hour(t, "2024-01-01 09:00", "steps") == pytest.approx(50)
+    assert hour(t, "2024-01-01 10:00", "steps") == pytest.approx(50)
+    assert hour(t, "2024-01-01 12:00", "steps") == pytest.approx(7)
+    assert hour(t, "2024-01-01 23:00", "steps") == pytest.approx(150)  # 15 of 90 minutes
+    assert hour(t, "2024-01-02 00:00", "steps") == pytest.approx(600)  # 60 of 90, next day
+    assert hour(t, "2024-01-02 01:00", "steps") == pytest.approx(150)
+    assert hour(t, "2024-01-01 10:00", "distance_km") == pytest.approx(1.609344)  # mi -> km, half of it
+    assert hour(t, "2024-01-01 11:00", "distance_km") == pytest.approx(1.609344)
+    # NaN, never 0, for hours without a record of that variable
+    assert np.isnan(hour(t, "2024-01-01 14:00", "steps")) and np.isnan(hour(t, "2024-01-01 09:00", "distance_km"))
+    assert t["steps"].sum() == pytest.approx(1007)
+
+
+def test_one_source_per_hour_for_cumulative_quantities(tmp_path):
+    path = export(tmp_path,
+                  rec("StepCount", "2024-01-01 08:00:00 +0000", "2024-01-01 08:30:00 +0000", 300, source="iPhone"),
+                  rec("StepCount", "2024-01-01 08:30:00 +0000", "2024-01-01 08:40:00 +0000", 100, source="iPhone"),
+                  rec("StepCount", "2024-01-01 08:05:00 +0000", "2024-01-01 08:35:00 +0000", 350, source="Watch"),
+                  rec("StepCount", "2024-01-01 09:00:00 +0000", "2024-01-01 09:10:00 +0000", 80, source="Watch"),
+                  rec("StepCount", "2024-01-01 09:20:00 +0000", "2024-01-01 09:30:00 +0000", 60, source="iPhone"))
+    t = W.read_healthkit(path, variables=["steps"])
+    assert hour(t, "2024-01-01 08:00", "steps") == pytest.approx(400)  # iPhone's 400 > Watch's 350, never 750
+    assert hour(t, "2024-01-01 09:00", "steps") == pytest.approx(80)   # Watch's 80 > iPhone's 60, never 140
+
+
+def test_samples_are_means_of_samples_starting_in_the_hour_with_unit_conversion(tmp_path):
+    path = export(tmp_path,
+                  rec("HeartRate", "2024-01-01 08:10:00 +0000", "2024-01-01 08:10:00 +0000", 60, unit="count/min"),
+                  rec("HeartRate", "2024-01-01 08:50:00 +0000", "2024-01-01 09:20:00 +0000", 90, unit="count/min",
+                      source="iPhone"),
+                  rec("HeartRate", "2024-01-01 09:30:00 +0000", "2024-01-01 09:30:00 +0000", 1.5, unit="count/s"),
+                  rec("OxygenSaturation", "2024-01-01 08:00:00 +0000", "2024-01-01 08:00:00 +0000", 0.97, unit="%"),
+                  rec("OxygenSaturation", "2024-01-01 08:30:00 +0000", "2024-01-01 08:30:00 +0000", 0.95, unit="%"),
+                  rec("BodyMass", "2024-01-01 08:00:00 +0000", "2024-01-01 08:00:00 +0000", 154.0, unit="lb"),
+                  rec("AppleSleepingWristTemperature", "2024-01-01 08:00:00 +0000", "2024-01-01 08:00:00 +0000",
+                      95.0, unit="degF"),
+                  rec("ActiveEnergyBurned", "2024-01-01 08:00:00 +0000", "2024-01-01 08:10:00 +0000", 41.84,
+                      unit="kJ"),
+                  rec("WalkingSpeed", "2024-01-01 08:00:00 +0000", "2024-01-01 08:00:00 +0000", 1.0, unit="m/s"),
+                  rec("HeartRateVariabilitySDNN", "2024-01-01 08:00:00 +0000", "2024-01-01 08:01:00 +0000", 42,
+                      unit="ms", children='<HeartRateVariabilityMetadataList><InstantaneousBeatsPerMinute bpm="60" '
+                                          'time="8:00:01.00 AM"/></HeartRateVariabilityMetadataList>'))
+    t = W.read_healthkit(path)
+    assert list(t.columns) == list(W.VARIABLES)
+    assert hour(t, "2024-01-01 08:00", "heart_rate") == pytest.approx(75)  # (60 + 90) / 2, both sources
+    assert hour(t, "2024-01-01 09:00", "heart_rate") == pytest.approx(90)  # 1.5 count/s; not the 08:50 sample
+    assert hour(t, "2024-01-01 08:00", "spo2") == pytest.approx(96)  # fractions -> %
+    assert hour(t, "2024-01-01 08:00", "body_mass") == pytest.approx(154 * 0.45359237)
+    assert hour(t, "2024-01-01 08:00", "wrist_temp") == pytest.approx(35.0)
+    assert hour(t, "2024-01-01 08:00", "active_kcal") == pytest.approx(10.0)
+    assert hour(t, "2024-01-01 08:00", "walking_speed") == pytest.approx(3.6)
+    assert hour(t, "2024-01-01 08:00", "hrv_sdnn") == pytest.approx(42)
+    assert t["steps"].isna().all() and t["vo2max"].isna().all()
+
+
+def test_sleep_minutes_from_asleep_values_only(tmp_path):
+    S = "HKCategoryTypeIdentifierSleepAnalysis"
+    V = "HKCategoryValueSleepAnalysis"
+    path = export(tmp_path,
+                  rec(S, "2024-01-01 22:30:00 +0000", "2024-01-02 06:30:00 +0000", V + "InBed", unit=None,
+                      source="iPhone"),
+                  rec(S, "2024-01-01 23:10:00 +0000", "2024-01-01 23:40:00 +0000", V + "AsleepCore", unit=None),
+                  rec(S, "2024-01-01 23:40:00 +0000", "2024-01-02 00:20:00 +0000", V + "AsleepDeep", unit=None),
+                  rec(S, "2024-01-02 00:20:00 +0000", "2024-01-02 00:30:00 +0000", V + "Awake", unit=None),
+                  rec(S, "2024-01-02 00:30:00 +0000", "2024-01-02 01:00:00 +0000", V + "AsleepREM", unit=None),
+                  # the phone's legacy 'Asleep' overlaps the Watch's stages: counted once
+                  rec(S, "2024-01-01 23:30:00 +0000", "2024-01-01 23:50:00 +0000", V + "Asleep", unit=None,
+                      source="iPhone"),
+                  rec(S, "2024-01-02 05:00:00 +0000", "2024-01-02 05:15:00 +0000", V + "AsleepUnspecified", unit=None))
+    t = W.read_healthkit(path, variables=["sleep_min", "in_bed_min"])
+    assert hour(t, "2024-01-01 22:00", "in_bed_min") == pytest.approx(30)
+    assert np.isnan(hour(t, "2024-01-01 22:00", "sleep_min"))  # in bed, not asleep
+    assert hour(t, "2024-01-01 23:00", "sleep_min") == pytest.approx(50)
+    assert hour(t, "2024-01-02 00:00", "sleep_min") == pytest.approx(50)  # 20 + 30; the 10 awake minutes excluded
+    assert hour(t, "2024-01-02 05:00", "sleep_min") == pytest.approx(15)
+    assert hour(t, "2024-01-02 03:00", "in_bed_min") == pytest.approx(60)
+    assert hour(t, "2024-01-02 06:00", "in_bed_min") == pytest.approx(30)
+    assert t["sleep_min"].sum() == pytest.approx(115)
+
+
+def test_mixed_utc_offsets_keep_local_wall_clock_and_dst_duration(tmp_path):
+    path = export(tmp_path,
+                  # travel: the same local evening hour in London and in New York
+                  rec("StepCount", "2024-03-01 21:10:00 +0000", "2024-03-01 21:20:00 +0000", 10),
+                  rec("StepCount", "2024-03-05 21:10:00 -0500", "2024-03-05 21:20:00 -0500", 20),
+                  rec("HeartRate", "2024-03-05 03:30:00 +0530", "2024-03-05 03:30:00 +0530", 50, unit="count/min"),
+                  # spans the autumn DST change (01:30 BST = 00:30 UTC; 01:10 GMT = 01:10 UTC): 40 min long
+                  rec("StepCount", "2024-10-27 01:30:00 +0100", "2024-10-27 01:10:00 +0000", 400))
+    t = W.read_healthkit(path, variables=["steps", "heart_rate"])
+    assert hour(t, "2024-03-01 21:00", "steps") == 10
+    assert hour(t, "2024-03-05 21:00", "steps") == 20  # 21:00 local in New York, not 02:00 the next day
+    assert hour(t, "2024-03-05 03:00", "heart_rate") == 50
+    assert hour(t, "2024-10-27 01:00", "steps") == pytest.approx(300)  # 30 of 40 minutes in local 01:xx
+    assert hour(t, "2024-10-27 02:00", "steps") == pytest.approx(100)
+
+
+def test_start_end_window(tmp_path):
+    path = export(tmp_path, *[rec("StepCount", f"2024-01-0{d} 10:00:00 +0000", f"2024-01-0{d} 10:30:00 +0000", d)
+                              for d in range(1, 6)])
+    t = W.read_healthkit(path, variables=["steps"], start="2024-01-02", end="2024-01-04")
+    assert t.index[0] >= pd.Timestamp("2024-01-02") and t.index[-1] < pd.Timestamp("2024-01-04")
+    assert t["steps"].sum() == pytest.approx(5) and t["steps"].count() == 2
+
+
+def test_malicious_external_entity_is_refused_and_never_read(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET")
+    header = HEADER.replace("]>", f'<!ENTITY xxe SYSTEM "file://{secret}">\n]>')
+    path = export(tmp_path, rec("StepCount", "2024-01-01 10:00:00 +0000", "2024-01-01 10:05:00 +0000", "&xxe;"),
+                  header=header)
+    with pytest.raises(W.HealthDataError, match="entity 'xxe'") as err:
+        W.read_healthkit(path)
+    assert "TOP-SECRET" not in str(err.value)
+    bomb = HEADER.replace("]>", '<!ENTITY a "aaaaaaaaaa"><!ENTITY b "&a;&a;&a;&a;&a;&a;&a;&a;&a;&a;">\n]>')
+    with pytest.raises(W.HealthDataError, match="entity 'a'"):
+        W.read_healthkit(export(tmp_path, rec("StepCount", "2024-01-01 10:00:00 +0000", "2024-01-01 10:05:00 +0000",
+                                              "&b;"), header=bomb, name="bomb.xml"))
+    # an undeclared entity reference is an XML error, not a lookup on disk
+    plain = export(tmp_path, rec("StepCount", "2024-01-01 10:00:00 +0000", "2024-01-01 10:05:00 +0000", "&xxe;"),
+                   name="undeclared.xml")
+    with pytest.raises(W.HealthDataError, match="undefined entity"):
+        W.read_healthkit(plain)
+
+
+def test_bad_files_raise_errors_naming_the_problem(tmp_path):
+    other = tmp_path / "other.xml"
+    other.write_text('<?xml version="1.0"?><gpx><trk/></gpx>')
+    with pytest.raises(W.HealthDataError, match=r"other\.xml: root element is <gpx>.*not an Apple Health"):
+        W.read_healthkit(other)
+    good = export(tmp_path, rec("StepCount", "2024-01-01 10:00:00 +0000", "2024-01-01 10:05:00 +0000", 5) * 3)
+    truncated = tmp_path / "truncated.xml"
+    truncated.write_bytes(good.read_bytes()[:-40])
+    with pytest.raises(W.HealthDataError, match=r"truncated\.xml: truncated XML at line"):
+        W.read_healthkit(truncated)
+    unit = export(tmp_path, rec("StepCount", "2024-01-01 10:00:00 +0000", "2024-01-01 10:05:00 +0000", 5,
+                                unit="furlong"), name="unit.xml")
+    with pytest.raises(W.HealthDataError, match=r"unit\.xml: HKQuantityTypeIdentifierStepCount record with "
+                                                r"unit='furlong': expected one of \['count'\]"):
+        W.read_healthkit(unit)
+    date = export(tmp_path, rec("StepCount", "2024-01-01T10:00:00Z", "2024-01-01 10:05:00 +0000", 5), name="d.xml")
+    with pytest.raises(W.HealthDataError, match="startDate='2024-01-01T10:00:00Z'"):
+        W.read_healthkit(date)
+    value = export(tmp_path, rec("HeartRate", "2024-01-01 10:00:00 +0000", "2024-01-01 10:00:00 +0000", "fast",
+                                 unit="count/min"), name="v.xml")
+    with pytest.raises(W.HealthDataError, match="value='fast'.*not a number"):
+        W.read_healthkit(value)
+    empty = tmp_path / "empty.xml"
+    empty.write_text("")
+    with pytest.raises(W.HealthDataError, match="empty.xml"):
+        W.read_healthkit(empty)
+    with pytest.raises(W.HealthDataError, match="no such file"):
+        W.read_healthkit(tmp_path / "missing.xml")
+    with pytest.raises(ValueError, match="unknown variable"):
+        W.read_healthkit(good, variables=["stepz"])
+
+
+def test_small_batches_give_the_same_table(tmp_path):
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(300):
+        s = pd.Timestamp("2024-01-01") + pd.Timedelta(minutes=int(rng.integers(0, 5000)))
+        e = s + pd.Timedelta(minutes=int(rng.integers(0, 90)))
+        src = ["Watch", "iPhone"][i % 2]
+        records.append(rec("StepCount", s.strftime("%Y-%m-%d %H:%M:%S +0000"), e.strftime("%Y-%m-%d %H:%M:%S +0000"),
+                           int(rng.integers(0, 500)), source=src))
+        records.append(rec("HeartRate", s.strftime("%Y-%m-%d %H:%M:%S +0000"), s.strftime("%Y-%m-%d %H:%M:%S +0000"),
+                           int(rng.integers(50, 150)), unit="count/min"))
+    path = export(tmp_path, *records)
+    whole, stats = W.read_healthkit(path, variables=["steps", "heart_rate"], return_stats=True)
+    pieces = W.read_healthkit(path, variables=["steps", "heart_rate"], batch_size=7)
+    pd.testing.assert_frame_equal(whole, pieces)
+    assert stats["records"] == 600 and stats["used"] == 600
+
+
+# --------------------------------------------------------------------------- other formats
+
+
+def test_read_long_csv_and_parquet(tmp_path):
+    frame = pd.DataFrame({
+        "timestamp": ["2024-01-01T08:05:00+01:00", "2024-01-01T08:50:00+01:00", "2024-01-01T08:15:00+01:00",
+                      "2024-01-01T08:45:00+01:00", "2024-01-01 10:00:00"],
+        "variable": ["steps", "steps", "heart_rate", "heart_rate", "steps"],
+        "value": [100, 50, 60, 80, 7]})
+    frame.to_csv(tmp_path / "long.csv", index=False)
+    frame.to_parquet(tmp_path / "long.parquet")
+    for name in ("long.csv", "long.parquet"):
+        t = W.read_long(tmp_path / name)
+        assert hour(t, "2024-01-01 08:00", "steps") == 150 and hour(t, "2024-01-01 08:00", "heart_rate") == 70
+        assert np.isnan(hour(t, "2024-01-01 09:00", "steps")) and hour(t, "2024-01-01 10:00", "steps") == 7
+    with pytest.raises(W.HealthDataError, match="no known aggregation"):
+        W.read_long(frame.assign(variable="mystery"))
+    assert W.read_long(frame.assign(variable="mystery"), kinds={"mystery": "sample"})["mystery"].iloc[0] == 72.5
+    with pytest.raises(W.HealthDataError, match=r"missing column\(s\) \['value'\]"):
+        W.read_long(frame.drop(columns="value"))
+
+
+def test_minute_actigraphy_to_hours():
+    minutes = pd.date_range("2024-01-01 00:00", periods=180, freq="min")
+    frame = pd.DataFrame({"timestamp": minutes, "activity": np.arange(180.0), "hr": 60.0,
+                          "asleep": (minutes.hour == 0).astype(int)})
+    frame = frame.drop(index=range(120, 170))  # only 10 minutes recorded in the third hour
+    t = W.aggregate_minutes(frame, cumulative=["activity"], samples=["hr"], sleep="asleep")
+    assert t.loc["2024-01-01 00:00", "activity"] == sum(range(60))
+    assert t.loc["2024-01-01 01:00", "activity"] == sum(range(60, 120))
+    assert np.isnan(t.loc["2024-01-01 02:00", "activity"])  # 10 < 30 minutes worn
+    assert t.loc["2024-01-01 00:00", "sleep_min"] == 60 and t.loc["2024-01-01 01:00", "sleep_min"] == 0
+    assert t.loc["2024-01-01 01:00", "hr"] == 60
+
+
+def test_read_fitbit_export(tmp_path):
+    (tmp_path / "steps-2024-01-01.json").write_text(json.dumps(
+        [{"dateTime": "01/01/24 08:00:00", "value": "30"}, {"dateTime": "01/01/24 08:59:00", "value": "20"},
+         {"dateTime": "01/01/24 10:00:00", "value": "5"}]))
+    (tmp_path / "heart_rate-2024-01-01.json").write_text(json.dumps(
+        [{"dateTime": "01/01/24 08:00:05", "value": {"bpm": 60, "confidence": 2}},
+         {"dateTime": "01/01/24 08:30:05", "value": {"bpm": 70, "confidence": 3}}]))
+    (tmp_path / "distance-2024-01-01.json").write_text(json.dumps([{"dateTime": "01/01/24 08:00:00", "value": "150000"}]))
+    (tmp_path / "sleep-2024-01-01.json").write_text(json.dumps([{
+        "startTime": "2024-01-01T23:30:00.000", "endTime": "2024-01-02T01:00:00.000",
+        "levels": {"data": [{"dateTime": "2024-01-01T23:30:00.000", "level": "wake", "seconds": 600},
+                            {"dateTime": "2024-01-01T23:40:00.000", "level": "light", "seconds": 1800},
+                            {"dateTime": "2024-01-02T00:10:00.000", "level": "deep", "seconds": 3000}]}}]))
+    t = W.read_fitbit(tmp_path)
+    assert hour(t, "2024-01-01 08:00", "steps") == 50 and hour(t, "2024-01-01 08:00", "heart_rate") == 65
+    assert hour(t, "2024-01-01 08:00", "distance_km") == pytest.approx(1.5)
+    assert np.isnan(hour(t, "2024-01-01 09:00", "steps"))
+    assert hour(t, "2024-01-01 23:00", "sleep_min") == 20 and hour(t, "2024-01-02 00:00", "sleep_min") == 60
+    assert hour(t, "2024-01-01 23:00", "in_bed_min") == 30
+    (tmp_path / "steps-2024-02-01.json").write_text("[{\"dateTime\": \"01/02/24 08:00:00\", \"value\": \"x\"}]")
+    with pytest.raises(W.HealthDataError, match="steps-2024-02-01.json"):
+        W.read_fitbit(tmp_path)
+
+
+# --------------------------------------------------------------------------- weeks
+
+
+def test_to_weeks_shapes_zscore_and_mask():
+    index = pd.date_range("2024-01-03 05:00", periods=24 * 10, freq="h")  # a Wednesday, 10 days
+    rng = np.random.default_rng(0)
+    table = pd.DataFrame({"steps": rng.poisson(100, len(index)).astype(float), "heart_rate": 70.0}, index=index)
+    table.iloc[::5, 0] = np.nan
+    weeks = W.to_weeks(table)
+    values, observed, starts = weeks
+    assert values.shape == (2, 168, 2) and observed.shape == (2, 168, 2) and values.dtype == np.float32
+    assert list(starts) == [pd.Timestamp("2024-01-01"), pd.Timestamp("2024-01-08")]  # Mondays
+    # hour 2*24 + 5 of the first week is the table's first hour
+    assert observed[0, :53].sum() == 0 and observed[0, 53, 1]
+    assert observed[0, 53, 0] == np.isfinite(table.iloc[0, 0])
+    mean, std = np.nanmean(table["steps"]), np.nanstd(table["steps"])
+    row = table.index.get_loc(pd.Timestamp("2024-01-04 07:00"))  # observed (every 5th row is NaN)
+    assert np.isfinite(table.iloc[row, 0])
+    np.testing.assert_allclose(values[0, 3 * 24 + 7, 0], (table.iloc[row, 0] - mean) / std, rtol=1e-5)
+    assert (values[~observed] == 0).all()
+    assert weeks.stats.std[1] == 1.0  # a constant variable is left unscaled
+    # stats from a model apply unchanged
+    again = W.to_weeks(table, stats=weeks.stats)
+    np.testing.assert_array_equal(again.values, values)
