@@ -404,7 +404,7 @@ def test_card_converter_applies_to_upstream_keys(http_server, tmp_path, tiny_zoo
     _assert_state_equal(model, expected)
     assert model.domainfm_load_report.converter == "strip_module"
 
-    # a local upstream file: the card's only converter is chosen because the keys do not match
+    # a local upstream file (no domainfm metadata): the card's only converter applies
     local = tmp_path / "upstream.pth"
     torch.save(upstream, local)
     model = domainfm.create_model("dfmtest-upstream", pretrained=str(local), progress=False)
@@ -413,6 +413,96 @@ def test_card_converter_applies_to_upstream_keys(http_server, tmp_path, tiny_zoo
 
     with pytest.raises(HubError, match="unknown converter 'nope'.*strip_module"):
         domainfm.create_model("dfmtest-upstream", pretrained=str(local), converter="nope", progress=False)
+
+
+def _drop_pooling_norm(state_dict, model):
+    """Like GIT's converter: drops a module the upstream file carries but never used; idempotent."""
+    return {k: v for k, v in state_dict.items() if not k.startswith("pool_norm.")}
+
+
+def _register_counting(tiny_zoo, name="dfmtest-conv", **card):
+    calls = []
+
+    def convert(state_dict, model):
+        calls.append(sorted(state_dict))
+        return _drop_pooling_norm(state_dict, model)
+
+    tiny_zoo.register(name, converters={"official": convert}, **card)
+    return calls
+
+
+def test_upstream_file_is_converted_even_when_nearly_all_keys_match(tmp_path, tiny_zoo):
+    # Every key of the model is in the file, plus one unused upstream module: the old rule (skip the
+    # converter when >= 90% of the keys match) loaded it unconverted and failed on the extra key.
+    calls = _register_counting(tiny_zoo)
+    expected = tiny_zoo.state_dict(seed=11)
+    upstream = {**expected, "pool_norm.weight": torch.ones(8)}
+    for path in (tmp_path / "official.pth", tmp_path / "official.safetensors"):
+        if path.suffix == ".pth":
+            torch.save({"model": upstream, "epoch": 3}, path)
+        else:
+            from safetensors.torch import save_file
+
+            save_file(upstream, str(path))  # a safetensors file without our metadata is upstream too
+        model = domainfm.create_model("dfmtest-conv", pretrained=str(path), progress=False)
+        _assert_state_equal(model, expected)
+        report = model.domainfm_load_report
+        assert report.kind == "upstream" and report.converter == "official"
+        assert report.unexpected == [] and report.missing == []
+    assert len(calls) == 2 and all("pool_norm.weight" in keys for keys in calls)
+
+
+def test_own_files_are_never_converted(tmp_path, tiny_zoo):
+    calls = _register_counting(tiny_zoo)
+    original = domainfm.create_model("dfmtest-conv")
+    with torch.no_grad():
+        original.scale.uniform_(0.5, 1.5)
+    folder = domainfm.save_pretrained(original, tmp_path / "saved")
+    assert hub.is_own_file(folder / "model.safetensors")
+    # the folder and its weights file alone, loaded into the registered variant by name
+    for source in (folder, folder / "model.safetensors"):
+        model = domainfm.create_model("dfmtest-conv", pretrained=str(source), progress=False)
+        _assert_state_equal(model, original.state_dict())
+        assert model.domainfm_load_report.kind == "domainfm" and model.domainfm_load_report.converter is None
+    assert calls == []
+    # an explicit converter= is honoured even for our own file (converters are idempotent)
+    model = domainfm.create_model("dfmtest-conv", pretrained=str(folder), converter="official")
+    _assert_state_equal(model, original.state_dict())
+    assert len(calls) == 1 and model.domainfm_load_report.converter == "official"
+
+
+def test_own_folder_loaded_by_name_verifies_its_recorded_digest(tmp_path, tiny_zoo):
+    folder = domainfm.save_pretrained(domainfm.create_model("dfmtest-tiny"), tmp_path / "saved")
+    from safetensors.torch import save_file
+
+    other = tiny_zoo.state_dict(seed=3)
+    save_file(other, str(folder / "model.safetensors"), metadata={"format": "pt", "domainfm_model": "dfmtest-tiny"})
+    with pytest.raises(ChecksumError, match="model.safetensors.*recorded in"):
+        domainfm.create_model("dfmtest-tiny", pretrained=str(folder))
+
+
+def test_weight_source_with_no_converter_is_loaded_as_is(http_server, tiny_zoo):
+    calls = []
+    expected = tiny_zoo.state_dict(seed=12)
+    body = _pth_bytes(expected)
+    url = http_server.serve("/ours/plain.pth", body)
+    tiny_zoo.register(
+        "dfmtest-plain-source", weights=[WeightSource(url, sha256=_sha(body))],
+        converters={"official": lambda sd, model: calls.append(1) or sd},
+    )
+    model = domainfm.create_model("dfmtest-plain-source", pretrained=True, progress=False)
+    _assert_state_equal(model, expected)
+    assert calls == [] and model.domainfm_load_report.converter is None
+
+
+def test_upstream_file_with_several_converters_needs_a_choice(tmp_path, tiny_zoo):
+    tiny_zoo.register("dfmtest-two", converters={"a": _strip_module, "b": _drop_pooling_norm})
+    path = tmp_path / "up.pth"
+    torch.save(tiny_zoo.state_dict(), path)
+    with pytest.raises(HubError, match=r"up.pth is an upstream checkpoint.*\['a', 'b'\].*converter=NAME"):
+        domainfm.create_model("dfmtest-two", pretrained=str(path))
+    model = domainfm.create_model("dfmtest-two", pretrained=str(path), converter="b")
+    assert model.domainfm_load_report.converter == "b"
 
 
 def test_card_naming_an_unknown_converter_is_rejected(tiny_zoo):

@@ -17,6 +17,9 @@ Fine-tuned official models (``model_for_*.py``) wrap the backbone as ``backbone.
 ``classifier`` Sequential; their linear layers map onto our ``head`` (``all_patch_reps``:
 ``classifier.{1,4,7}`` -> ``head.pre_logits.{1,4}``, ``head.fc``; ``avgpooling_patch_reps``:
 ``classifier.3`` -> ``head.fc``). A ``module.`` prefix (DataParallel) is stripped.
+
+The converter is idempotent (our own keys pass through unchanged), so the hub may apply it to
+any upstream file, whatever share of its keys already matches.
 """
 from __future__ import annotations
 

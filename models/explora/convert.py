@@ -100,14 +100,18 @@ def _resize_pos_embed(pos: torch.Tensor, model: nn.Module) -> torch.Tensor:
 
 
 def convert_official(state_dict: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """``fn(state_dict, model) -> state_dict`` for both official file kinds (see module doc)."""
+    """``fn(state_dict, model) -> state_dict`` for both official file kinds (see module doc).
+
+    Idempotent: our own keys pass through unchanged (no prefix, chunk or q/k/v split to undo,
+    ``norm`` already moved to ``fc_norm``, the position table already at the model's grid)."""
     sd = unwrap_official(state_dict) if not all(isinstance(v, torch.Tensor) for v in state_dict.values()) else dict(state_dict)
     sd = _unchunk(_fuse_qkv(_strip_prefix(sd)))
+    own = set(model.state_dict())
     for key in DROPPED_KEYS:
-        sd.pop(key, None)
+        if key not in own:  # a model that has the key keeps it (idempotent on our own keys)
+            sd.pop(key, None)
     if "pos_embed" in sd:
         sd["pos_embed"] = _resize_pos_embed(sd["pos_embed"], model)
-    own = set(model.state_dict())
     if "fc_norm.weight" in own and "norm.weight" not in own:
         for kind in ("weight", "bias"):
             if f"norm.{kind}" in sd:

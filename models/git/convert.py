@@ -6,6 +6,9 @@ The official encoder (``model/encoder.py`` of Zehong-Wang/GIT) saves
 used: its call is commented out), and ``pooling_lin.{weight,bias}``. A fine-tuned ``TaskModel``
 nests these under ``encoder.`` and adds the classifier ``decoder.{weight,bias}``. GAT layers from
 PyG < 2.5 store ``lin_src``/``lin_dst`` (one shared matrix), newer PyG ``lin``.
+
+The converter is idempotent (our own keys pass through unchanged), so the hub may apply it to
+any upstream file, whatever share of its keys already matches.
 """
 from __future__ import annotations
 

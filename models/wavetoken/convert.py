@@ -68,14 +68,21 @@ def convert_hf_t5(state_dict: Mapping[str, torch.Tensor], model) -> dict[str, to
     The input embeddings of encoder and decoder duplicate ``shared`` and are dropped (after
     checking they equal it). With tied embeddings ``lm_head.weight`` is optional and must equal
     ``shared.weight`` when present; an untied model needs it.
+
+    Idempotent: a key that is already one of ``model``'s own (our save format, an engine
+    checkpoint) passes through unchanged, so converting a converted state_dict changes nothing.
     """
+    own = set(model.state_dict()) if isinstance(model, torch.nn.Module) else set()
     out: dict[str, torch.Tensor] = {}
     unknown = []
     for key, value in state_dict.items():
         try:
             ours = hf_t5_key(key)
         except KeyError:
-            unknown.append(key)
+            if key in own:  # no Hugging Face T5 key is spelled like one of ours, so this is ours
+                out[key] = value
+            else:
+                unknown.append(key)
             continue
         if ours is None:
             shared = state_dict.get("shared.weight")

@@ -11,6 +11,13 @@
 * a directory written by :func:`save_pretrained`, or one laid out as an upstream repo
   (``model.safetensors`` / ``pytorch_model.bin`` beside a ``config.json``).
 
+Which files are converted is decided by what the file is, never by how many keys happen to
+match: our own format (a :func:`save_pretrained` folder, whose ``config.json`` has a
+``domainfm`` block, or a safetensors file whose metadata names ``domainfm_model``) is loaded as
+is; any other file is an upstream checkpoint and always goes through a converter (the
+``converter=`` argument, else the weight source's recorded one, else the card's only one).
+Every converter is idempotent, so a file that already holds our keys passes through unchanged.
+
 Downloads go to a temporary file beside the destination, are hashed while streaming, and are
 renamed into the cache (``$DOMAINFM_HOME/weights``, default ``~/.cache/domainfm/weights``) only
 when the full sha256 matches, so the cache never holds a partial or unverified file. With
@@ -24,7 +31,6 @@ import http.client
 import json
 import os
 import pickle
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -38,6 +44,7 @@ import torch
 from torch import nn
 
 from domainfm import zoo
+from domainfm.atomic import atomic_path, atomic_write_text
 
 __all__ = [
     "HubError",
@@ -55,14 +62,18 @@ __all__ = [
     "load_checkpoint",
     "load_state_dict_into",
     "load_pretrained",
+    "is_own_file",
     "create_model",
     "save_pretrained",
     "CONFIG_NAME",
     "WEIGHTS_NAME",
+    "OWN_METADATA_KEY",
 ]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+#: safetensors metadata key that marks a file written by domainfm (its value: the variant name)
+OWN_METADATA_KEY = "domainfm_model"
 _CHUNK = 1 << 20
 
 
@@ -164,7 +175,7 @@ class _SameOriginAuthRedirects(urllib.request.HTTPRedirectHandler):
         return new
 
 
-def _stream_to(url: str, tmp_path: Path, progress: bool) -> str:
+def _stream_to(url: str, tmp_path: Path, progress: bool, desc: str) -> str:
     request = urllib.request.Request(url, headers={"User-Agent": "domainfm"})
     # The token goes only to the Hub's own origin: a prefix test would also match
     # https://huggingface.co.example.net (or port 80 of an endpoint on port 8080).
@@ -187,7 +198,7 @@ def _stream_to(url: str, tmp_path: Path, progress: bool) -> str:
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc=tmp_path.name.split(".part")[0], leave=False)
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
         received = 0
         try:
             with open(tmp_path, "wb") as out:
@@ -238,13 +249,11 @@ def fetch(url: str, sha256: str | None = None, *, progress: bool = True) -> Path
             f"DOMAINFM_OFFLINE is set and {url} is not in the cache. Download it elsewhere and place the "
             f"file at {dest}" + (f" (sha256 {sha256.lower()})" if sha256 else "") + ", or unset DOMAINFM_OFFLINE."
         )
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".part-", dir=dest.parent)
-    os.close(fd)
-    tmp_path = Path(tmp_name)
-    try:
+    # the temporary file is renamed into the cache only when complete and verified; on any
+    # error (or Ctrl-C) atomic_path removes it, so no partial file stays behind
+    with atomic_path(dest) as tmp_path:
         try:
-            actual = _stream_to(_download_url_for(url), tmp_path, progress)
+            actual = _stream_to(_download_url_for(url), tmp_path, progress, dest.name)
         except (urllib.error.URLError, http.client.HTTPException, OSError, TimeoutError) as exc:
             raise HubError(
                 f"could not download {url} ({exc}). If this machine is offline, download it elsewhere and place "
@@ -254,11 +263,6 @@ def fetch(url: str, sha256: str | None = None, *, progress: bool = True) -> Path
             raise ChecksumError(f"{url}: downloaded file has sha256 {actual}, expected {sha256.lower()}; not cached")
         if sha256 is None:
             warnings.warn(f"{url} has no recorded sha256; the downloaded file's sha256 is {actual}", stacklevel=2)
-        os.replace(tmp_path, dest)
-    finally:
-        # Whatever happened (error, Ctrl-C), no partial file stays behind.
-        if tmp_path.exists():
-            tmp_path.unlink()
     return dest
 
 
@@ -314,13 +318,15 @@ class LoadReport:
 
     source: str
     sha256: str | None = None
+    #: ``"domainfm"`` (our own format, loaded as is) or ``"upstream"`` (went through the converter)
+    kind: str = "upstream"
     converter: str | None = None
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     dropped_head: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"loaded {self.source}" + (f" (sha256 {self.sha256[:12]}…)" if self.sha256 else "")]
+        lines = [f"loaded {self.source} ({self.kind} file" + (f", sha256 {self.sha256[:12]}…)" if self.sha256 else ")")]
         if self.converter:
             lines.append(f"  converted with: {self.converter}")
         for label, keys in (("missing", self.missing), ("unexpected", self.unexpected), ("dropped head (shape changed)", self.dropped_head)):
@@ -381,9 +387,20 @@ def load_state_dict_into(
     return report
 
 
-def _keys_match(state_dict: Mapping[str, Any], model: nn.Module) -> bool:
-    own = set(model.state_dict())
-    return len(own) > 0 and len(own & set(state_dict)) >= 0.9 * len(own)
+def is_own_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a safetensors file written by domainfm (its metadata names the variant
+    under ``domainfm_model``, as :func:`save_pretrained` writes it)."""
+    path = Path(path)
+    if path.suffix != ".safetensors" or not path.is_file():
+        return False
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except Exception as exc:
+        raise HubError(f"{path}: not a readable safetensors file ({exc})") from exc
+    return bool(metadata.get(OWN_METADATA_KEY))
 
 
 REPO_FILES = (CONFIG_NAME, WEIGHTS_NAME)
@@ -415,14 +432,56 @@ def fetch_hf_repo(url: str, *, card: zoo.ModelCard | None = None, sha256: str | 
     return folder
 
 
-def _read_dir(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _read_dir(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], bool]:
+    """(state_dict, config, own): ``own`` when ``config.json`` has our ``domainfm`` block (a
+    :func:`save_pretrained` folder; its recorded sha256 is verified), else an upstream repo layout."""
     config = {}
-    if (directory / CONFIG_NAME).is_file():
-        config = json.loads((directory / CONFIG_NAME).read_text())
+    config_file = directory / CONFIG_NAME
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise HubError(f"{config_file}: not valid JSON ({exc})") from exc
+        if not isinstance(config, dict):
+            raise HubError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    own = isinstance(config.get("domainfm"), Mapping)
     for name in (WEIGHTS_NAME, "pytorch_model.bin", "model.pt", "model.pth"):
-        if (directory / name).is_file():
-            return _unwrap_state_dict(load_checkpoint(directory / name), None), config
+        path = directory / name
+        if path.is_file():
+            recorded = config["domainfm"].get("sha256") if own else None
+            if recorded is not None and sha256_file(path) != recorded:
+                raise ChecksumError(f"{path}: sha256 does not match the one recorded in {config_file}")
+            return _unwrap_state_dict(load_checkpoint(path), None), config, own or is_own_file(path)
     raise FileNotFoundError(f"{directory}: no {WEIGHTS_NAME} (or pytorch_model.bin) in this directory")
+
+
+def _pick_converter(
+    converter: str | Callable | None,
+    card: zoo.ModelCard | None,
+    source_obj: zoo.WeightSource | None,
+    location: str,
+) -> tuple[str | None, Callable | None]:
+    """The converter for an upstream file: ``converter=`` (a card name or a callable), else the
+    weight source's recorded one (``None`` there: the source already holds our keys), else the
+    card's only converter; several and none chosen is an error."""
+    if callable(converter):
+        return getattr(converter, "__name__", "callable"), converter
+    if converter is not None:
+        if card is None or converter not in card.converters:
+            available = sorted(card.converters) if card is not None else []
+            raise HubError(f"unknown converter {converter!r}; this model has {available}")
+        return converter, card.converters[converter]
+    if source_obj is not None:
+        name = source_obj.converter
+        return (name, card.converters[name]) if name is not None else (None, None)
+    if card is None or not card.converters:
+        return None, None
+    if len(card.converters) == 1:
+        return next(iter(card.converters.items()))
+    raise HubError(
+        f"{location} is an upstream checkpoint (not written by domainfm) and {card.name} has several "
+        f"converters ({sorted(card.converters)}); pass converter=NAME"
+    )
 
 
 def load_pretrained(
@@ -437,10 +496,13 @@ def load_pretrained(
 ) -> LoadReport:
     """Load weights into ``model`` from a card's source, a URL, a file or a directory.
 
-    The converter turning upstream keys into ours is chosen as: the ``converter`` argument (a
-    name in the card's converters, or a callable ``fn(state_dict, model) -> state_dict``); else
-    the weight source's recorded converter; else none when the keys already match the model;
-    else the card's only converter. Head weights whose shape changed are dropped.
+    What the file is decides the conversion. Our own format (a :func:`save_pretrained` folder,
+    or a safetensors file whose metadata names ``domainfm_model``) is loaded as is. Any other
+    file is upstream and is always converted, by: the ``converter`` argument (a name in the
+    card's converters, or a callable ``fn(state_dict, model) -> state_dict``); else the weight
+    source's recorded converter; else the card's only converter. An explicit ``converter`` also
+    applies to our own files (converters are idempotent, so that is harmless). Head weights
+    whose shape changed are dropped.
     """
     if card is None:
         card = getattr(model, "domainfm_name", None)
@@ -463,47 +525,35 @@ def load_pretrained(
         path = fetch(source_obj.url, source_obj.sha256, progress=progress)
         digest = source_obj.sha256
         raw = _unwrap_state_dict(load_checkpoint(path), source_obj.state_dict_key)
-        if converter is None:
-            converter = source_obj.converter
+        own = is_own_file(path)
     else:
         location = str(pretrained)
         local = Path(pretrained) if "://" not in location else None
         if local is not None and local.is_dir():
-            raw, upstream_config = _read_dir(local)
+            raw, config, own = _read_dir(local)
             digest = None
         elif _is_hf_repo(location):
-            raw, upstream_config = _read_dir(fetch_hf_repo(location, card=card, sha256=sha256, progress=progress))
+            raw, config, own = _read_dir(fetch_hf_repo(location, card=card, sha256=sha256, progress=progress))
             digest = None
         else:
             path = fetch(location, sha256, progress=progress)
             digest = sha256 or sha256_file(path)
             raw = _unwrap_state_dict(load_checkpoint(path), None)
+            own, config = is_own_file(path), {}
+        if not own:
+            upstream_config = config
 
     if upstream_config:
         # before conversion: a converter may need the upstream config (e.g. tied embeddings)
         model.domainfm_upstream_config = upstream_config
-    converter_name = None
-    if callable(converter):
-        converter_name = getattr(converter, "__name__", "callable")
-        state_dict = converter(raw, model)
-    elif converter is not None:
-        if card is None or converter not in card.converters:
-            available = sorted(card.converters) if card is not None else []
-            raise HubError(f"unknown converter {converter!r}; this model has {available}")
-        converter_name = converter
-        state_dict = card.converters[converter](raw, model)
-    elif _keys_match(raw, model) or card is None or not card.converters:
-        state_dict = raw
-    elif len(card.converters) == 1:
-        converter_name, fn = next(iter(card.converters.items()))
-        state_dict = fn(raw, model)
+    if own and converter is None:
+        converter_name, convert = None, None
     else:
-        raise HubError(
-            f"{location}: keys do not match {card.name} and the card has several converters "
-            f"({sorted(card.converters)}); pass converter=NAME"
-        )
+        converter_name, convert = _pick_converter(converter, card, source_obj, location)
+    state_dict = convert(raw, model) if convert is not None else raw
     report = load_state_dict_into(model, state_dict, heads=heads, strict=strict, source=location)
     report.sha256 = digest
+    report.kind = "domainfm" if own else "upstream"
     report.converter = converter_name
     model.domainfm_load_report = report
     return report
@@ -526,7 +576,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Write ``model.safetensors`` + ``config.json`` so that ``create_model(directory)`` rebuilds it.
 
     The model must come from :func:`create_model` (it remembers its variant and keywords). Both
-    files are written to temporary names and renamed, so a crash leaves no half-written file.
+    files are written through :mod:`domainfm.atomic`, so a crash leaves no half-written file.
     """
     from safetensors.torch import save_model
 
@@ -547,18 +597,12 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
             "format_version": 1,
         }
     }
-    tmp_weights = directory / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
-    tmp_config = directory / f".{CONFIG_NAME}.tmp-{os.getpid()}"
-    try:
-        save_model(model, str(tmp_weights), metadata={"format": "pt", "domainfm_model": name})
+    # weights first, then the config that records their digest: a crash in between leaves a
+    # folder whose digest check fails loudly, never one that loads the wrong weights silently
+    with atomic_path(directory / WEIGHTS_NAME) as tmp_weights:
+        save_model(model, str(tmp_weights), metadata={"format": "pt", OWN_METADATA_KEY: name})
         config["domainfm"]["sha256"] = sha256_file(tmp_weights)
-        tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp_weights, directory / WEIGHTS_NAME)
-        os.replace(tmp_config, directory / CONFIG_NAME)
-    finally:
-        for tmp in (tmp_weights, tmp_config):
-            if tmp.exists():
-                tmp.unlink()
+    atomic_write_text(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
 
 
@@ -587,6 +631,7 @@ def _create_from_saved(directory: Path, config: dict[str, Any], kwargs: dict[str
             raise HubError(f"{directory}: missing keys {sorted(missing)}; unexpected keys {sorted(unexpected)}")
         report = LoadReport(source=str(directory))
     report.sha256 = recorded
+    report.kind = "domainfm"
     model.domainfm_load_report = report
     return model
 

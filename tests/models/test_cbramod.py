@@ -74,6 +74,38 @@ def test_official_checkpoint_loads_with_no_missing_or_unexpected_keys(official, 
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
 
 
+def test_official_file_loads_through_create_model_without_converter_argument(official, tmp_path):
+    """As a user calls it: no converter=; the upstream file is converted because it is upstream."""
+    ref, sd = official
+    path = tmp_path / "pretrained_weights.pth"
+    torch.save(sd, path)
+    model = domainfm.create_model("cbramod-base", pretrained=str(path)).eval()
+    report = model.domainfm_load_report
+    assert report.kind == "upstream" and report.converter == "official"
+    assert report.missing == [] and report.unexpected == []
+    explicit = domainfm.create_model("cbramod-base")
+    explicit.load_state_dict(convert_official_state_dict(torch.load(path, weights_only=True), explicit), strict=True)
+    explicit.eval()
+    for key, value in explicit.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    x = torch.randn(2, 19, 600, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = model.forward_features(x)
+        assert torch.equal(got, explicit.forward_features(x))
+        torch.testing.assert_close(got, ref.features(x.view(2, 19, 3, 200)), rtol=0, atol=1e-5)
+
+
+def test_converter_is_idempotent(official):
+    _, sd = official
+    for model in (CBraMod(), CBraMod(n_chans=4, n_times=400, n_outputs=3, n_layers=12, reconstruction_head=False)):
+        own = model.state_dict()
+        again = convert_official_state_dict(dict(own), model)  # our own keys: unchanged
+        assert list(again) == list(own) and all(again[k] is own[k] for k in own)
+        once = convert_official_state_dict(sd, model)
+        twice = convert_official_state_dict(once, model)
+        assert list(twice) == list(once) and all(twice[k] is once[k] for k in once)
+
+
 @pytest.mark.parametrize("shape", [(2, 19, 10), (3, 5, 3), (1, 22, 1)])
 def test_matches_official_forward_to_1e5(official, shape):
     ref, sd = official

@@ -111,17 +111,68 @@ def test_encoder_only_official_file_loads_with_only_mask_token_dropped(tmp_path)
     assert expected_keys <= set(sd)
     torch.save({"model": sd, "epoch": 199}, tmp_path / "explora_encoder_only.pth")
     path = str(tmp_path / "explora_encoder_only.pth")
-    fresh = create_model("explora-test", n_outputs=0, pretrained=path, converter="official")
-    report = fresh.domainfm_load_report
+    # as a user calls it: no converter= (every key but mask_token matches the model, yet the file is
+    # upstream, so the converter applies), and the same as naming the converter
+    for kwargs in ({}, {"converter": "official"}):
+        fresh = create_model("explora-test", n_outputs=0, pretrained=path, **kwargs).eval()
+        report = fresh.domainfm_load_report
+        assert report.kind == "upstream" and report.converter == "official"
+        assert report.missing == [] and report.unexpected == []
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, sd[k]), k
+    # the converter is what drops mask_token: loaded with an identity converter it is the one stray key
+    with pytest.raises(HubError, match="unexpected keys: mask_token$"):
+        create_model("explora-test", n_outputs=0, pretrained=path, converter=lambda state, model: state)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("explora-test", {}), ("explora-test", {"global_pool": "avg", "n_outputs": 3}), ("explora-multispectral-test", {}),
+])
+def test_converter_is_idempotent(name, kwargs):
+    model = create_model(name, **kwargs)
+    own = model.state_dict()
+    again = convert_official(dict(own), model)  # our own keys: unchanged
+    assert list(again) == list(own) and all(again[k] is own[k] for k in own)
+    official = _official_layout(create_model(name, n_outputs=0))
+    once = convert_official({"model": official}, model)
+    assert "mask_token" not in once
+    twice = convert_official(once, model)
+    assert list(twice) == list(once) and all(torch.equal(twice[k], once[k]) for k in once)
+
+
+@pytest.mark.slow
+def test_official_vit_large_encoder_only_file_loads_through_create_model_without_converter_argument(tmp_path):
+    """The Must-show on the real variant: an official encoder-only ``{"model": ...}`` file of
+    ExPLoRA ViT-L/14 (DINOv2 key names, with ``mask_token``), loaded exactly as a user calls it.
+
+    The file is built from the model's own keys (which are DINOv2's names) plus ``mask_token``,
+    with shapes read on the meta device, to keep this one ViT-L test cheap (~300M parameters)."""
+    name = "explora-vit-large-dinov2-fmow-rgb"
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in zoo.build_model(name).state_dict().items()}
+    assert len([k for k in shapes if k.endswith(".attn.qkv.weight")]) == 24 and shapes["pos_embed"] == (1, 257, 1024)
+    g = torch.Generator().manual_seed(0)
+    official = {k: torch.empty(shape).normal_(0, 0.02, generator=g) for k, shape in shapes.items()}
+    official["mask_token"] = torch.zeros(1, 1024)
+    path = tmp_path / "explora_dinov2_vit_large_fmow_rgb_encoder_only.pth"
+    torch.save({"model": official, "epoch": 199}, path)
+
+    model = create_model(name, pretrained=str(path)).eval()
+    report = model.domainfm_load_report
+    assert report.kind == "upstream" and report.converter == "official"
     assert report.missing == [] and report.unexpected == []
-    for k, v in fresh.state_dict().items():
-        assert torch.equal(v, sd[k]), k
-    # loaded as is (no converter), the only stray key is the documented mask_token
-    with pytest.warns(UserWarning, match="mask_token"):
-        plain = create_model("explora-test", n_outputs=0, pretrained=path, strict=False)
-    assert plain.domainfm_load_report.unexpected == ["mask_token"] and plain.domainfm_load_report.missing == []
-    with pytest.raises(HubError, match="unexpected keys: mask_token"):
-        create_model("explora-test", n_outputs=0, pretrained=path)
+    # the converter called by hand, into a model that gets its tensors straight from the converter
+    with torch.device("meta"):
+        explicit = zoo.build_model(name)
+    raw = torch.load(path, weights_only=True)
+    explicit.load_state_dict(convert_official(raw, explicit), strict=True, assign=True)
+    explicit.eval()
+    got = model.state_dict()
+    for key, value in explicit.state_dict().items():
+        assert torch.equal(got[key], value), key
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(x), explicit(x))
 
 
 def test_teacher_format_full_file_converts_to_the_same_weights(tmp_path):

@@ -82,6 +82,46 @@ def test_official_checkpoint_loads_and_matches_reference_sage(tmp_path):
     torch.testing.assert_close(emb, expected, rtol=0, atol=1e-5)
 
 
+def test_official_git_base_file_loads_through_create_model_without_converter_argument(tmp_path):
+    """The official encoder file of git-base carries the unused norms.{num_layers} BatchNorm; as a
+    user calls it (no converter=) the file is converted because it is upstream, and it equals the
+    converter called by hand."""
+    sd = _official_state_dict(f=768, hidden=768, num_layers=2, seed=4)
+    assert "norms.2.weight" in sd and "norms.2.running_var" in sd
+    path = tmp_path / "encoder_10.pt"
+    torch.save(sd, path)
+    model = domainfm.create_model("git-base", pretrained=str(path)).eval()
+    report = model.domainfm_load_report
+    assert report.kind == "upstream" and report.converter == "official"
+    assert report.missing == [] and report.unexpected == []
+    explicit = domainfm.create_model("git-base")
+    explicit.load_state_dict(convert_official_state_dict(torch.load(path, weights_only=True), explicit), strict=True)
+    explicit.eval()
+    x, edge_index = _graph(f=768, seed=2)
+    x = x.float()
+    with torch.no_grad():
+        got = model(x, edge_index, task="edge", index=torch.tensor([[0, 2], [1, 8]]))
+        assert torch.equal(got, explicit(x, edge_index, task="edge", index=torch.tensor([[0, 2], [1, 8]])))
+        z = model.double().forward_features(x.double(), edge_index)
+    torch.testing.assert_close(z, _reference_encoder({k: v.double() for k, v in sd.items()}, x.double(), edge_index, 2))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"n_outputs": 3}, {"backbone": "gat", "norm": "none"}])
+def test_converter_is_idempotent(kwargs):
+    model = GIT(16, 16, 2, dropout=0.0, **kwargs)
+    own = model.state_dict()
+    again = convert_official_state_dict(dict(own), model)  # our own keys: unchanged
+    assert list(again) == list(own) and all(again[k] is own[k] for k in own)
+    official = _official_state_dict(wrap=True)
+    if kwargs.get("backbone") == "gat":
+        official = {f"encoder.{k.replace('.lin.', '.lin_src.')}": v for k, v in own.items()}
+        official.update({f"encoder.norms.{i}.weight": torch.ones(16) for i in range(3)})
+    once = convert_official_state_dict(official, model)
+    assert set(once) <= set(own) | {"head.weight", "head.bias"}
+    twice = convert_official_state_dict(once, model)
+    assert list(twice) == list(once) and all(twice[k] is once[k] for k in once)
+
+
 def test_reference_with_edge_features_and_taskmodel_checkpoint():
     sd = _official_state_dict(wrap=True)
     model = GIT(16, 16, 2, n_outputs=3, dropout=0.0)

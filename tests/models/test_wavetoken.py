@@ -11,6 +11,7 @@ import pywt
 import torch
 
 import domainfm
+from domainfm import zoo
 from domainfm.models.wavetoken import (
     MeanScaleUniformBins,
     WaveletTokenizer,
@@ -332,6 +333,43 @@ def test_hf_checkpoint_loads_and_matches_reference_t5(tmp_path):
     ref_enc, ref_logits = _reference_t5(hf, ids, mask, dec, **_TEST_ARCH)
     torch.testing.assert_close(enc.double(), ref_enc, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits.double(), ref_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_converter_is_idempotent(tied, tmp_path):
+    model = domainfm.create_model("chronos-t5-test", tie_word_embeddings=tied)
+    own = model.state_dict()
+    assert ("lm_head.weight" in own) is not tied
+    again = convert_hf_t5(dict(own), model)  # our own keys: unchanged
+    assert list(again) == list(own) and all(again[k] is own[k] for k in own)
+    _, hf = _write_hf_dir(tmp_path, drop_lm_head=False)
+    once = convert_hf_t5(hf, model)
+    assert set(once) == set(own)
+    twice = convert_hf_t5(once, model)
+    assert list(twice) == list(once) and all(twice[k] is once[k] for k in once)
+
+
+def test_hf_weights_file_alone_loads_through_create_model_without_converter_argument(tmp_path):
+    """The Hugging Face ``model.safetensors`` by itself (no config.json beside it, no domainfm
+    metadata): upstream, so the card's converter applies, as when it is called by hand."""
+    from safetensors.torch import load_file
+
+    directory, hf = _write_hf_dir(tmp_path)
+    alone = tmp_path / "alone.safetensors"
+    alone.write_bytes((directory / "model.safetensors").read_bytes())
+    model = domainfm.create_model("chronos-t5-test", pretrained=str(alone)).eval()
+    report = model.domainfm_load_report
+    assert report.kind == "upstream" and report.converter == "hf_t5"
+    assert report.missing == [] and report.unexpected == []
+    explicit = domainfm.create_model("chronos-t5-test")
+    explicit.load_state_dict(convert_hf_t5(load_file(str(alone)), explicit), strict=True)
+    explicit.eval()
+    ids, mask, dec = zoo.get_card("chronos-t5-test").example_input()
+    with torch.no_grad():
+        got = model(ids, mask, dec)
+        assert torch.equal(got, explicit(ids, mask, dec))
+    _, ref_logits = _reference_t5(hf, ids, mask, dec, **_TEST_ARCH)
+    torch.testing.assert_close(got.double(), ref_logits, atol=1e-5, rtol=1e-5)
 
 
 def test_converter_errors_and_tied_head(tmp_path):
