@@ -345,6 +345,19 @@ class FIMImputer(nn.Module):
         x_min, x_range = _minmax(values, missing)
         return (times - t_min) / t_range, (values - x_min) / x_range, (t_min, t_range), (x_min, x_range)
 
+    def concepts(self, times: Tensor, values: Tensor, missing: Tensor, eval_times: Tensor) -> dict[str, Tensor]:
+        """Drift (mean, log-std) at ``eval_times (N, L)`` and ``x(eval_times[:, 0])`` (mean, log-std),
+        in the original scale, without integrating: what the training objective needs."""
+        times_n, values_n, (t_min, t_range), (x_min, x_range) = self.normalise(times, values, missing)
+        eval_n = (eval_times - t_min) / t_range
+        embedding = self.encode(times_n, values_n, missing)
+        mean_n, log_std_n = self.drift(embedding, eval_n)
+        x0_n, x0_log_std_n = self.initial_condition(embedding, eval_n[:, 0])
+        return {"drift_mean": mean_n * x_range / t_range,
+                "drift_log_std": log_std_n + torch.log(x_range) - torch.log(t_range),
+                "init_mean": x0_n * x_range[:, 0] + x_min[:, 0],
+                "init_log_std": x0_log_std_n + torch.log(x_range[:, 0])}
+
     def local(self, times: Tensor, values: Tensor, missing: Tensor, eval_times: Tensor) -> dict[str, Tensor]:
         """The local model on rows of one channel each, as the official forward + ``new_stats``.
 

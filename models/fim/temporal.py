@@ -141,6 +141,10 @@ class FIMTemporalImputer(nn.Module):
         """:meth:`impute_gap` with the gap in the middle of the windows (``gap_index = W // 2``)."""
         return self.impute_gap(times, values, observed, gap_times, values.shape[1] // 2)
 
+    def concepts(self, *args, **kwargs) -> dict[str, Tensor]:
+        """The local model's :meth:`FIMImputer.concepts` (pretraining trains the local model)."""
+        return self.local.concepts(*args, **kwargs)
+
     def impute(self, *args, **kwargs) -> dict[str, Tensor]:
         """The local model's :meth:`FIMImputer.impute` (FIM-ℓ with ``windows=K``)."""
         return self.local.impute(*args, **kwargs)

@@ -1,0 +1,74 @@
+"""FIM prior and objective: seeded reproducibility, observation-count and noise ranges, the
+series solve their ODEs, the loss is the official one, and a CLI pretraining run."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from domainfm import cli, create_model
+from domainfm.pretrain.fim import PriorSection, fim_loss, sample_prior
+
+
+def test_prior_is_reproducible_and_within_ranges():
+    prior = PriorSection(n_samples=300, seed=3, max_degree=30)
+    a, b = sample_prior(300, prior), sample_prior(300, prior)
+    for key in ("values", "drift", "noisy", "observed"):
+        np.testing.assert_array_equal(a[key], b[key])
+    c = sample_prior(300, prior, seed=4)
+    assert not np.allclose(a["values"], c["values"])
+    counts = a["observed"].sum(axis=1)
+    assert counts.min() >= 8 and counts.max() <= 64 and counts.max() > 40 and counts.min() < 20
+    ratio = a["noise_std"] / a["values"].std(axis=1)
+    assert (ratio >= 0).all() and (ratio <= 0.1 + 1e-12).all() and ratio.max() > 0.05
+    noise = a["noisy"] - a["values"]
+    assert abs(noise.std(axis=1) / np.maximum(a["noise_std"], 1e-9) - 1)[a["noise_std"] > 1e-3].mean() < 0.15
+    assert 0.35 < a["is_chebyshev"].mean() < 0.65
+    assert a["times"].shape == (128,) and a["times"][0] == 0.0
+
+
+def test_series_solve_their_odes():
+    prior = PriorSection(seed=1, max_degree=100)
+    s = sample_prior(200, prior)
+    t, x, f = s["times"], s["values"], s["drift"]
+    fd = np.diff(x, axis=1) / np.diff(t)  # finite difference vs the drift at the step's midpoint (trapezoid)
+    mid = 0.5 * (f[:, 1:] + f[:, :-1])
+    scale = np.abs(f).max(axis=1, keepdims=True)
+    rel = np.abs(fd - mid) / scale
+    assert np.median(rel) < 1e-3 and np.quantile(rel, 0.99) < 0.05
+    # and the residual is large for a wrong drift (the check can fail)
+    assert np.median(np.abs(fd - np.roll(mid, 1, axis=0)) / scale) > 0.05
+
+
+def test_loss_is_the_official_combination():
+    torch.manual_seed(0)
+    model = create_model("fim-imputation-test").eval()
+    s = sample_prior(4, PriorSection(seed=0, max_degree=10))
+    batch = (torch.as_tensor(s["times"], dtype=torch.float32).expand(4, -1),
+             torch.as_tensor(s["noisy"], dtype=torch.float32), torch.as_tensor(s["observed"]),
+             torch.as_tensor(s["values"], dtype=torch.float32), torch.as_tensor(s["drift"], dtype=torch.float32))
+    loss, logs = fim_loss(model, batch)
+    torch.testing.assert_close(loss, logs["nll_drift"] + logs["nll_x0"] + 10 * logs["euler_residual"])
+    # the drift NLL equals the Gaussian NLL of the model's drift (minus the constant) on the grid
+    with torch.no_grad():
+        t = batch[0]
+        out = model.local(t, batch[1], ~batch[2], t)
+    want = (0.5 * ((batch[4] - out["drift_mean"]) / out["drift_std"]) ** 2 + out["drift_std"].log()).mean()
+    torch.testing.assert_close(logs["nll_drift"], want, rtol=1e-4, atol=1e-5)
+    loss.backward()
+    assert model.trunk.hidden[0].weight.grad.abs().sum() > 0
+
+
+def test_pretraining_run_through_cli(tmp_path):
+    args = ["pretrain", "fim", "model.name=fim-imputation-test", "prior.n_samples=64", "prior.n_val=16",
+            "prior.max_degree=20", "train.max_steps=4", "train.batch_size=16", "train.progress=false",
+            "train.log_every_steps=1", "train.lr=1e-3", "--runs-dir", str(tmp_path / "runs"), "--name", "p"]
+    assert cli.main(args) == 0
+    run = tmp_path / "runs" / "fim" / "p"
+    report = json.loads((run / "report.json").read_text())
+    assert report["steps"] == 4 and np.isfinite(report["train_loss_last"])
+    model = create_model(report["saved_model"]).eval()
+    t = torch.linspace(0, 1, 20)
+    out = model.impute(t, torch.sin(t)[None, :, None], torch.ones(1, 20, 1, dtype=torch.bool), t)
+    assert torch.isfinite(out["values"]).all()
