@@ -5,8 +5,10 @@
   resolution over the files' common extent, or the ``resolution`` asked for).
 * :func:`select_bands`, :class:`BandStats` (per-band mean/std, computed or given) and
   :func:`write_geotiff` (atomic) around them.
+* :func:`load_scene`: the shipped sample or your rasters as one normalised ``(C, H, W)`` scene.
 * Datasets: :class:`SceneTiles` (tiles cut from one scene), :class:`ImageFolder` (EuroSAT style
-  ``root/<class>/<image>.tif``) and :class:`CsvManifest` (fMoW style ``image_path,label`` CSV).
+  ``root/<class>/<image>.tif``), :class:`CsvManifest` (fMoW style ``image_path,label`` CSV) and
+  :class:`UnlabelledImages` (any of them without labels, for self-supervised pretraining).
 * Transforms on ``(C, H, W)`` tensors with *any* number of bands: :class:`MultiCrop` (DINOv2:
   2 global + N local random-resized crops), :class:`MaeTransform` and :class:`Resize`.
 * :func:`spectral_index_classes`: land-cover classes **derived from spectral indices**
@@ -22,12 +24,14 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
+
+from domainfm.atomic import atomic_path
 
 __all__ = [
     "read_raster",
@@ -35,9 +39,12 @@ __all__ = [
     "select_bands",
     "BandStats",
     "write_geotiff",
+    "Scene",
+    "load_scene",
     "SceneTiles",
     "ImageFolder",
     "CsvManifest",
+    "UnlabelledImages",
     "MultiCrop",
     "MaeTransform",
     "Resize",
@@ -222,29 +229,67 @@ class BandStats:
 
 def write_geotiff(path: str | os.PathLike, data: np.ndarray, *, transform, crs, band_names: Sequence[str] | None = None,
                   nodata: float | None = None, compress: str = "deflate") -> Path:
-    """Write ``(C, H, W)`` to a tiled, compressed GeoTIFF atomically (temp file + rename)."""
+    """Write ``(C, H, W)`` to a tiled, compressed GeoTIFF atomically (``domainfm.atomic``)."""
     rasterio = _rasterio()
     path = Path(path)
     if data.ndim != 3:
         raise ValueError(f"write_geotiff: expected (C, H, W), got shape {data.shape}")
     if band_names is not None and len(band_names) != data.shape[0]:
         raise ValueError(f"write_geotiff: {len(band_names)} band names for {data.shape[0]} bands")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.tif")
     profile = dict(driver="GTiff", width=data.shape[2], height=data.shape[1], count=data.shape[0], dtype=data.dtype.name,
                    transform=transform, crs=crs, compress=compress, nodata=nodata)
     if compress == "deflate" and data.dtype.kind in "ui":
         profile["predictor"] = 2
-    try:
-        with rasterio.open(tmp, "w", **profile) as dst:
-            dst.write(data)
-            for i, name in enumerate(band_names or []):
-                dst.set_band_description(i + 1, name)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_path(path, suffix=".tif") as tmp, rasterio.open(tmp, "w", **profile) as dst:
+        dst.write(data)
+        for i, name in enumerate(band_names or []):
+            dst.set_band_description(i + 1, name)
     return path
+
+
+class Scene(NamedTuple):
+    """One scene read for training (unpacks as ``image, raw, band_names, stats``)."""
+
+    #: ``(C, H, W)`` float32, normalised by ``stats``
+    image: torch.Tensor
+    #: ``(C, H, W)`` float32 pixels as read (e.g. reflectance, for labels derived from it)
+    raw: np.ndarray
+    band_names: list[str]
+    stats: BandStats
+
+
+def load_scene(source: str = "sample", *, paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+               bands: Sequence[str] | None = ("B04", "B03", "B02"), mean: Sequence[float] | None = None,
+               std: Sequence[float] | None = None) -> Scene:
+    """Read one scene and normalise it per band.
+
+    Args:
+        source: ``"sample"`` (the shipped Sentinel-2 scene, :func:`sample_scene_path`) or
+            ``"raster"`` (``paths``: one multi-band file, or several single-band files that
+            :func:`read_raster` puts on one grid).
+        bands: band names to keep, in order (``None``: all).
+        mean, std: per-band statistics; ``None`` computes them from the scene, ignoring nodata.
+
+    **Shapes:** ``image`` and ``raw`` are ``(len(bands), H, W)``.
+    """
+    if source == "sample":
+        raster = read_raster(sample_scene_path(), bands=bands)
+    elif source == "raster":
+        files = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths or [])
+        if not files:
+            raise ValueError("load_scene: source='raster' needs paths (one raster file or a list of them)")
+        raster = read_raster(files if len(files) > 1 else files[0], bands=bands)
+    else:
+        raise ValueError(f"load_scene: source={source!r}: expected 'sample' or 'raster'")
+    if (mean is None) != (std is None):
+        raise ValueError("load_scene: give both mean and std, or neither (then they are computed from the scene)")
+    raw = raster.data.astype(np.float32)
+    stats = BandStats(list(mean), list(std)) if mean is not None else BandStats.compute(raw, raster.nodata)
+    if stats.n_bands != raw.shape[0]:
+        raise ValueError(
+            f"load_scene: mean/std have {stats.n_bands} values but the scene has {raw.shape[0]} bands {raster.band_names}"
+        )
+    return Scene(stats.normalize(torch.from_numpy(raw)), raw, list(raster.band_names), stats)
 
 
 def _read_image(path: Path, n_bands: int | None, bands: Sequence[int] | None) -> torch.Tensor:
@@ -401,6 +446,21 @@ class CsvManifest(Dataset):
 
 
 # ----------------------------------------------------------------------------- transforms
+
+
+class UnlabelledImages(Dataset):
+    """The images of a labelled dataset (``(image, label)`` items) without their labels, each
+    passed through ``transform``: the input of self-supervised pretraining."""
+
+    def __init__(self, dataset: Dataset, transform: Callable | None = None):
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        image = self.dataset[index][0]
+        return self.transform(image) if self.transform is not None else image
 
 
 def random_resized_crop(x: torch.Tensor, size: int, scale: tuple[float, float], ratio=(3 / 4, 4 / 3),

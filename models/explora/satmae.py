@@ -28,7 +28,7 @@ from timm.layers import PatchEmbed
 from timm.models.vision_transformer import Block
 from torch import nn
 
-__all__ = ["GroupChannelViT", "sincos_1d", "sincos_2d", "SENTINEL2_GROUPS"]
+__all__ = ["GroupChannelViT", "sincos_1d", "sincos_2d", "SENTINEL2_GROUPS", "freeze_fixed_encodings"]
 
 #: ExPLoRA / SatMAE groups over the 10 kept bands (B2,B3,B4,B5,B6,B7,B8,B8A,B11,B12)
 SENTINEL2_GROUPS = ((0, 1, 2, 6), (3, 4, 5, 7), (8, 9))
@@ -194,3 +194,16 @@ class GroupChannelViT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+def freeze_fixed_encodings(model: nn.Module) -> nn.Module:
+    """Keep a :class:`GroupChannelViT`'s sin-cos position and channel tables frozen.
+
+    They are fixed by design (SatMAE), also when every other parameter trains (full fine-tuning
+    or full extended pretraining calls ``requires_grad_(True)`` on the whole model); any other
+    model is returned unchanged.
+    """
+    if isinstance(model, GroupChannelViT):
+        model.pos_embed.requires_grad_(False)
+        model.channel_embed.requires_grad_(False)
+    return model

@@ -112,3 +112,34 @@ def test_shipped_sentinel2_sample():
     r = S.read_raster(S.sample_scene_path(), bands=list(S.EXPLORA_SENTINEL2_BANDS))
     assert r.data.shape[0] == 10 and r.data.dtype == np.uint16 and r.resolution == (60.0, 60.0)
     assert str(r.crs) == "EPSG:32618"
+
+
+def test_load_scene_from_rasters_normalises_with_computed_or_given_statistics(tmp_path):
+    data = _scene(c=3, h=12, w=10, seed=4)
+    path = S.write_geotiff(tmp_path / "s.tif", data, transform=from_origin(0, 120, 10, 10), crs="EPSG:32618",
+                           band_names=["B02", "B03", "B04"])
+    image, raw, names, stats = S.load_scene("raster", paths=path, bands=["B04", "B02"])
+    assert names == ["B04", "B02"] and np.array_equal(raw, data[[2, 0]].astype(np.float32))
+    expected = (data[[2, 0]] - data[[2, 0]].reshape(2, -1).mean(1)[:, None, None]) / data[[2, 0]].reshape(2, -1).std(
+        1)[:, None, None]
+    torch.testing.assert_close(image, torch.from_numpy(expected.astype(np.float32)), atol=1e-5, rtol=1e-5)
+    given = S.load_scene("raster", paths=[path], bands=["B03"], mean=[1000.0], std=[500.0])
+    torch.testing.assert_close(given.image, torch.from_numpy((data[[1]] - 1000.0) / 500.0).float())
+    assert given.stats == S.BandStats([1000.0], [500.0])
+    with pytest.raises(ValueError, match="mean/std have 2 values but the scene has 1 bands"):
+        S.load_scene("raster", paths=path, bands=["B03"], mean=[0.0, 0.0], std=[1.0, 1.0])
+    with pytest.raises(ValueError, match="both mean and std"):
+        S.load_scene("raster", paths=path, mean=[0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="needs paths"):
+        S.load_scene("raster")
+    with pytest.raises(ValueError, match="expected 'sample' or 'raster'"):
+        S.load_scene("folder")
+    sample = S.load_scene()  # the shipped scene, RGB by default
+    assert sample.band_names == ["B04", "B03", "B02"] and sample.image.shape[0] == 3
+
+
+def test_unlabelled_images_drop_labels_and_apply_the_transform(tmp_path):
+    labelled = [(torch.full((2, 3, 3), float(i)), i % 2) for i in range(4)]
+    ds = S.UnlabelledImages(labelled, transform=lambda x: x * 10)
+    assert len(ds) == 4 and torch.equal(ds[3], torch.full((2, 3, 3), 30.0))
+    assert torch.equal(S.UnlabelledImages(labelled)[2], labelled[2][0])

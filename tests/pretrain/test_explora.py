@@ -11,6 +11,8 @@ from domainfm import create_model, lora
 from domainfm.cli import main
 from domainfm.engine import TrainConfig
 from domainfm.pretrain import explora as E
+from domainfm.pretrain.explora import dino as explora_dino
+from domainfm.pretrain.explora import mae as explora_mae
 
 
 def _ce(p, logits, temp):
@@ -146,7 +148,7 @@ def test_ema_teacher_update_isolation_and_last_layer_freeze():
 
 def test_mae_masks_three_quarters_and_patchify_layout():
     x = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
-    patches = E._patchify(x, 2)
+    patches = explora_mae.patchify(x, 2)
     assert patches.shape == (2, 4, 12)
     assert torch.equal(patches[0, 1].reshape(2, 2, 3), x[0, :, 0:2, 2:4].permute(1, 2, 0))
     torch.manual_seed(0)
@@ -205,3 +207,31 @@ def _config(name):
     from domainfm.config import config_path
 
     return config_path("explora", name)
+
+
+def test_objectives_are_importable_from_the_entry_and_their_modules():
+    for module in (explora_dino, explora_mae):
+        for name in module.__all__:
+            if name in E.__all__:
+                assert getattr(E, name) is getattr(module, name)
+    assert {"Config", "run", "DinoPretrainer", "MaePretrainer"} <= set(E.__all__)
+
+
+def test_full_training_keeps_the_fixed_sincos_tables_frozen():
+    model = create_model("explora-multispectral-test", n_outputs=0)
+    E.apply_adapter(model, E.AdapterSection(enabled=False))
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {"pos_embed", "channel_embed"}
+
+
+def test_scene_of_the_data_section_is_the_data_loader_scene():
+    from domainfm.data_loaders import satellite as S
+
+    got = E.load_scene(E.DataSection(source="sample", bands=["B08", "B04"]))
+    ref = S.load_scene("sample", bands=["B08", "B04"])
+    assert torch.equal(got.image, ref.image) and got.band_names == ["B08", "B04"] and got.stats == ref.stats
+    with pytest.raises(ValueError, match="data.source=raster needs data.path or data.paths"):
+        E.load_scene(E.DataSection(source="raster"))
+    with pytest.raises(ValueError, match=r"data \(source='sample'.*mean/std have 1 values"):
+        E.load_scene(E.DataSection(source="sample", mean=[0.0], std=[1.0]))
+
