@@ -1,10 +1,11 @@
-"""GIT adaptation: fine-tuning (full / LoRA / linear probe), few-shot, in-context, zero-shot and
-specialisation (SFT), for node, edge (relation classification) and graph classification.
+"""GIT adaptation on the experiment layer: fine-tuning (full / LoRA / linear probe), few-shot,
+in-context, zero-shot and specialisation (SFT), for node, edge (relation classification), link
+prediction and graph classification.
 
 ``domainfm finetune git`` (configs/git/finetune.yaml) runs offline on the shipped graphs: a short
-pretraining of ``git-small`` on Karate (nodes), Nations (edges) and MUTAG (graphs), then on
+pretraining stage of ``git-small`` on Karate (nodes), Nations (edges) and MUTAG (graphs), then on
 MUTAG in-context and fine-tuned results of the pretrained encoder next to the same recipe from
-random initialisation (the non-pretrained baseline).
+random initialisation (the arms ``pretrained`` and ``random``).
 
 Task embeddings follow the official fine-tuning code: node ``pooling_lin(z[v])``, edge
 ``pooling_lin((z[u] + z[v]) / 2)``, graph ``pooling_lin(mean_pool(z))``, computed on task-trees
@@ -14,18 +15,17 @@ support embeddings, logits ``-(2 - 2 cos(query, prototype))``; n-way k-shot epis
 support from the training split and the queries from the test split. Zero-shot: the prototypes
 are the class-description text embeddings (needs ``hidden_channels == in_channels``), usually
 after specialisation: MSE between ``pooling_lin(root)`` and the true class's text embedding.
-Link prediction (``data.task: link``) holds out edges of the graph against random non-edges and
-scores ``pooling_lin(z[u]) . pooling_lin(z[v]) / sqrt(hidden)``. Fine-tuning can be repeated over
-seeds (``adapt.seeds``; mean and std reported; ``RUN/model`` is the first repeat's model).
-Metrics: accuracy for node and edge tasks, ROC-AUC for (binary) graph classification and link
-prediction.
+In-context, zero-shot and SFT look at each arm's encoder before fine-tuning. Link prediction
+(``data.task: link``) holds out edges against random non-edges and scores
+``pooling_lin(z[u]) . pooling_lin(z[v]) / sqrt(hidden)``. Few-shot fine-tuning:
+``data.few_shot_k``. Metrics: accuracy for node and edge tasks, ROC-AUC for (binary) graph
+classification and link prediction (the selection metric unless ``train.monitor`` is set).
 """
 from __future__ import annotations
 
 import copy
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,40 +35,12 @@ from torch.utils.data import Dataset
 
 from domainfm.data_loaders import graph as G
 from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, StageSection, TaskData
 from domainfm.finetune import metrics as M
-from domainfm.finetune.supervised import LoraSettings, SupervisedRecipe, prepare_mode
+from domainfm.finetune.supervised import LoraSettings
 
-__all__ = ["Config", "run", "evaluate", "prototype_logits", "in_context", "zero_shot", "TaskItems",
-           "GraphBatchInput", "TaskCollate", "embed_tasks"]
-
-MODES = ("in_context", "finetune", "few_shot", "zero_shot", "sft")
-
-
-@dataclass
-class ModelSection:
-    name: str = "git-small"
-    pretrained: str | None = None  # a path / URL / "true"; null: use the in-process pretraining below
-    pretrained_fallback: str = "error"  # "random": continue from random init when weights are unavailable
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.pretrained_fallback not in ("error", "random"):
-            raise ValueError(f"model.pretrained_fallback={self.pretrained_fallback!r}: expected 'error' or 'random'")
-
-
-@dataclass
-class PretrainSection:
-    """A short in-process pretraining, used when ``model.pretrained`` is null and ``enabled``."""
-
-    enabled: bool = True
-    datasets: list[str] = field(default_factory=lambda: ["karate", "nations", "mutag"])
-    task_types: list[str] = field(default_factory=lambda: ["node", "edge", "graph"])
-    max_steps: int = 150
-    batch_size: int = 256
-    lr: float = 1e-3
-    fanout: int = 10
-    num_hops: int = 2
-    align_lambda: float = 10.0
+__all__ = ["Config", "FAMILY", "run", "evaluate", "prototype_logits", "in_context", "zero_shot", "TaskItems",
+           "GraphBatchInput", "TaskCollate", "embed_tasks", "load_task_dataset", "build_task"]
 
 
 @dataclass
@@ -81,36 +53,32 @@ class DataSection:
     eval_fanout: int = -1  # -1: every neighbour
     use_edge_attr: bool = False
     min_relation_count: int = 1  # Nations: drop relations with fewer training triples
+    few_shot_k: int | None = None  # fine-tune on k training tasks per class (few-shot) instead of all
 
 
 @dataclass
-class AdaptSection:
-    modes: list[str] = field(default_factory=lambda: ["in_context", "finetune"])
-    mode: str = "full"  # full | lora | linear_probe (for finetune / few_shot)
-    lora: LoraSettings = field(default_factory=lambda: LoraSettings(
-        targets=["layers.*.lin_l", "layers.*.lin_r", "pooling_lin"], rank=8, alpha=16.0))
-    baseline: bool = True  # also run every mode from random initialisation
+class ProtocolSection:
+    """Protocols on each arm's encoder before fine-tuning."""
+
+    in_context: bool = True
+    zero_shot: bool = False
+    sft: bool = False  # specialise (SFT) before zero-shot
     n_way: int = 5
     k_shot: int = 3
     n_query: int = 3
     n_episodes: int = 20
-    few_shot_k: int = 3
-    seeds: list[int] = field(default_factory=lambda: [0])  # fine-tune / few-shot repeats (train.seed + s): mean and std
     sft_steps: int = 50
     sft_lr: float = 1e-4
 
-    def __post_init__(self):
-        bad = [m for m in self.modes if m not in MODES]
-        if bad:
-            raise ValueError(f"adapt.modes: unknown {bad}; expected any of {MODES}")
-
 
 @dataclass
-class Config:
-    model: ModelSection = field(default_factory=ModelSection)
-    pretrain: PretrainSection = field(default_factory=PretrainSection)
+class Config(ExperimentConfig):
+    model: ModelSection = field(default_factory=lambda: ModelSection(name="git-small"))
+    adapt: AdaptSection = field(default_factory=lambda: AdaptSection(lora=LoraSettings(
+        targets=["layers.*.lin_l", "layers.*.lin_r", "pooling_lin"], rank=8, alpha=16.0)))
+    stages: list[StageSection] = field(default_factory=list)
     data: DataSection = field(default_factory=DataSection)
-    adapt: AdaptSection = field(default_factory=AdaptSection)
+    protocols: ProtocolSection = field(default_factory=ProtocolSection)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         max_epochs=30, batch_size=32, lr=1e-4, weight_decay=1e-6, progress=False, early_stopping_patience=10,
         monitor="val/roc_auc", monitor_mode="max", drop_last=False))
@@ -296,44 +264,7 @@ class SFTRecipe(Recipe):
         return loss, {"loss": loss.detach()}
 
 
-# --------------------------------------------------------------------------- runs
-
-
-def _load_encoder(cfg: Config, width: int, run_dir: Path, log=print) -> tuple[nn.Module, str]:
-    from domainfm import create_model
-    from domainfm.hub import HubError
-
-    kwargs = {"in_channels": width, "n_outputs": 0, **cfg.model.overrides}
-    if cfg.model.pretrained:
-        source: Any = True if cfg.model.pretrained.lower() == "true" else cfg.model.pretrained
-        try:
-            model = create_model(cfg.model.name, pretrained=source, **kwargs)
-            return model, f"pretrained: {cfg.model.pretrained}"
-        except (HubError, FileNotFoundError, OSError) as exc:
-            message = (f"could not load pretrained weights for {cfg.model.name} from {cfg.model.pretrained!r}: {exc}\n"
-                       "  -> run `domainfm pretrain git` and pass model.pretrained=RUN/encoder, place the file at the "
-                       "path named above, or set model.pretrained_fallback=random to continue from random init")
-            if cfg.model.pretrained_fallback != "random":
-                raise SystemExit(message) from exc
-            log(message + "\n  continuing from RANDOM initialisation (model.pretrained_fallback=random)")
-            return create_model(cfg.model.name, **kwargs), "random"
-    if cfg.pretrain.enabled:
-        from domainfm.pretrain import git as P
-
-        p = cfg.pretrain
-        pcfg = P.Config(
-            model=P.ModelSection(name=cfg.model.name, overrides=dict(cfg.model.overrides)),
-            data=P.DataSection(datasets=list(p.datasets), task_types=list(p.task_types), text_encoder=cfg.data.text_encoder,
-                               fanout=p.fanout, num_hops=p.num_hops, seed=cfg.data.seed),
-            objective=P.ObjectiveSection(align_lambda=p.align_lambda),
-            train=TrainConfig(max_steps=p.max_steps, batch_size=p.batch_size, lr=p.lr, weight_decay=1e-8, clip_grad_norm=1.0,
-                              warmup_ratio=0.05, progress=False, log_every_steps=max(1, p.max_steps // 10), head_patterns=[],
-                              seed=cfg.train.seed, accelerator=cfg.train.accelerator, drop_last=True),
-        )
-        encoder, report = P.pretrain_encoder(pcfg, run_dir / "pretrain", log=log)
-        log(f"in-process pretraining: {report['steps']} steps, loss {report['first_loss']:.4f} -> {report['final_loss']:.4f}")
-        return encoder, f"pretrained: in-process GIT pretraining on {'+'.join(p.datasets)} ({report['steps']} steps)"
-    return create_model(cfg.model.name, **kwargs), "random"
+# --------------------------------------------------------------------------- tasks
 
 
 def _is_link(ds: G.GraphDataset) -> bool:
@@ -347,37 +278,6 @@ def _recipe_task(ds: G.GraphDataset) -> tuple[str, int, str]:
     if ds.task == "graph" and ds.num_classes == 2:
         return "binary", 1, "roc_auc"
     return "multiclass", ds.num_classes, "accuracy"
-
-
-def _fine_tune(encoder: nn.Module, ds: G.GraphDataset, cfg: Config, run_dir: Path, train_pos: Tensor,
-               ) -> tuple[nn.Module, dict[str, float], dict[str, Any]]:
-    from domainfm.zoo import count_parameters
-
-    task, n_out, metric = _recipe_task(ds)
-    model = copy.deepcopy(encoder)
-    torch.manual_seed(cfg.train.seed)  # the new head's init follows the run's seed
-    model.reset_classifier(n_out)
-    head = "head" if n_out > 0 else "pooling_lin"  # link prediction scores pooled endpoints: pooling_lin is its head
-    prepare_mode(model, cfg.adapt.mode, head=head, lora=cfg.adapt.lora)
-    train_fanout = cfg.data.train_fanout or (30 if ds.task == "edge" else 10)
-    collate = TaskCollate(ds, train_fanout, model.num_layers, eval_fanout=cfg.data.eval_fanout,
-                          use_edge_attr=cfg.data.use_edge_attr)
-    forward = link_forward if _is_link(ds) else (lambda m, inp: task_forward(m, inp))
-    recipe = SupervisedRecipe(model, TaskItems(train_pos), TaskItems(ds.splits["val"], evaluation=True), task=task,
-                              forward_fn=forward, collate_fn=collate)
-    train_cfg = copy.deepcopy(cfg.train)
-    train_cfg.monitor, train_cfg.monitor_mode = f"val/{metric}", "max"
-    trainer = Trainer(train_cfg, run_dir=run_dir)
-    result = trainer.fit(recipe)
-    if result.best_checkpoint is not None and Path(result.best_checkpoint).is_file():
-        from safetensors.torch import load_model
-
-        load_model(model, str(result.best_checkpoint), strict=True)
-    test = trainer.evaluate(recipe, TaskItems(ds.splits["test"], evaluation=True), model=model)
-    info = {"params_total": count_parameters(model),
-            "params_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "best_val": result.best_metric, "steps": result.global_step}
-    return model, test, info
 
 
 def load_task_dataset(data: DataSection) -> G.GraphDataset:
@@ -394,98 +294,64 @@ def load_task_dataset(data: DataSection) -> G.GraphDataset:
     return ds
 
 
-def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
-    from domainfm import save_pretrained
+# --------------------------------------------------------------------------- declaration
 
-    run_dir = Path(run_dir)
-    torch.manual_seed(cfg.train.seed)
+
+def build_task(cfg: Config) -> TaskData:
+    from domainfm import zoo
+
     ds = load_task_dataset(cfg.data)
     print(f"GIT on {ds.name}: {ds.task} task, {ds.num_classes} classes, splits "
           + ", ".join(f"{k} {v.numel()}" for k, v in ds.splits.items()) + f"; labels {ds.labels}")
-    pretrained, init = _load_encoder(cfg, ds.num_features, run_dir)
-    _, _, metric = _recipe_task(ds)
-    report: dict[str, Any] = {"dataset": ds.name, "task": ds.task, "model": cfg.model.name, "init": init,
-                              "text_encoder": ds.encoder, "labels": ds.labels, "metric": metric}
-    inits = [("pretrained" if init != "random" else "random", pretrained)]
-    if cfg.adapt.baseline and init != "random":
-        from domainfm import create_model
-
-        torch.manual_seed(cfg.train.seed)
-        baseline = create_model(cfg.model.name, in_channels=ds.num_features, n_outputs=0, **cfg.model.overrides)
-        inits.append(("random", baseline))
-    a = cfg.adapt
-    for tag, enc in inits:
-        if "in_context" in a.modes:
-            ic = in_context(enc, ds, n_way=a.n_way, k_shot=a.k_shot, n_query=a.n_query, n_episodes=a.n_episodes,
-                            seed=cfg.data.seed, fanout=cfg.data.eval_fanout)
-            report.update({f"in_context_{k}_{tag}": v for k, v in ic.items() if k != "n_way"})
-            report["in_context_n_way"] = ic["n_way"]
-        if "zero_shot" in a.modes or "sft" in a.modes:
-            spec = enc
-            if "sft" in a.modes:
-                spec = copy.deepcopy(enc)
-                collate = TaskCollate(ds, cfg.data.train_fanout or (30 if ds.task == "edge" else 10), spec.num_layers,
-                                      eval_fanout=cfg.data.eval_fanout)
-                sft_cfg = TrainConfig(max_steps=a.sft_steps, batch_size=cfg.train.batch_size, lr=a.sft_lr, progress=False,
-                                      weight_decay=0.0, seed=cfg.train.seed, accelerator=cfg.train.accelerator,
-                                      drop_last=False, log_every_steps=max(1, a.sft_steps // 5), head_patterns=[])
-                Trainer(sft_cfg, run_dir=run_dir / f"sft-{tag}").fit(SFTRecipe(spec, ds, collate))
-            zs = zero_shot(spec, ds, fanout=cfg.data.eval_fanout)
-            prefix = "zero_shot_sft" if "sft" in a.modes else "zero_shot"
-            report.update({f"{prefix}_{k}_{tag}": v for k, v in zs.items()})
-        for mode in ("finetune", "few_shot"):
-            if mode not in a.modes:
-                continue
-            train_pos = ds.splits["train"]
-            if mode == "few_shot":
-                g = torch.Generator().manual_seed(cfg.data.seed)
-                train_pos = torch.cat([p[torch.randperm(p.numel(), generator=g)[:a.few_shot_k]]
-                                       for c in range(ds.num_classes) if (p := train_pos[ds.y[train_pos] == c]).numel()])
-            tests, vals = [], []
-            for i, repeat in enumerate(a.seeds):
-                run_cfg = copy.deepcopy(cfg)
-                run_cfg.train.seed = cfg.train.seed + repeat
-                sub = f"{mode}-{tag}" + (f"-seed{repeat}" if len(a.seeds) > 1 else "")
-                model, test, info = _fine_tune(enc, ds, run_cfg, run_dir / sub, train_pos)
-                tests.append(test)
-                vals.append(info["best_val"])
-                if i == 0 and tag == inits[0][0]:
-                    report.update(params_total=info["params_total"], params_trainable=info["params_trainable"],
-                                  finetune_mode=cfg.adapt.mode)
-                    if mode == "finetune":
-                        if cfg.adapt.mode == "lora":
-                            from domainfm import lora
-
-                            lora.save_adapter(model, run_dir / "adapter", base_model_name=cfg.model.name)
-                            lora.merge(model, unload=True)  # RUN/model holds the merged weights
-                        report["model_dir"] = str(save_pretrained(model, run_dir / "model"))
-                        report["model_seed"] = run_cfg.train.seed  # RUN/model: the first repeat's model
-            keys = [metric] + (["accuracy"] if metric != "accuracy" and "accuracy" in tests[0] else [])
-            for k in keys:
-                values = torch.tensor([t[k] for t in tests], dtype=torch.float64)
-                report[f"{mode}_test_{k}_{tag}"] = float(values.mean())
-                if len(tests) > 1:
-                    report[f"{mode}_test_{k}_std_{tag}"] = float(values.std())
-            report[f"{mode}_best_val_{metric}_{tag}"] = float(torch.tensor(vals, dtype=torch.float64).mean())
-            if len(tests) > 1:
-                report[f"{mode}_test_{metric}_runs_{tag}"] = [t[metric] for t in tests]
-    return report
+    task, n_out, metric = _recipe_task(ds)
+    train_pos = ds.splits["train"]
+    if cfg.data.few_shot_k is not None:
+        g = torch.Generator().manual_seed(cfg.data.seed)
+        train_pos = torch.cat([p[torch.randperm(p.numel(), generator=g)[:cfg.data.few_shot_k]]
+                               for c in range(ds.num_classes) if (p := train_pos[ds.y[train_pos] == c]).numel()])
+    num_layers = {**zoo.get_card(cfg.model.name).defaults, **cfg.model.kwargs}["num_layers"]
+    collate = TaskCollate(ds, cfg.data.train_fanout or (30 if ds.task == "edge" else 10), num_layers,
+                          eval_fanout=cfg.data.eval_fanout, use_edge_attr=cfg.data.use_edge_attr)
+    prefix, _, rest = ds.labels.partition(":")
+    labels = (ds.labels if prefix in ("recorded", "constructed", "synthetic")
+              else f"recorded:{rest}" if prefix == "observed" else f"recorded: {ds.labels}")
+    return TaskData(TaskItems(train_pos), TaskItems(ds.splits["val"], evaluation=True),
+                    TaskItems(ds.splits["test"], evaluation=True), task=task, n_outputs=n_out, collate_fn=collate,
+                    forward_fn=link_forward if _is_link(ds) else task_forward, labels=labels,
+                    info={"dataset": ds.name, "graph_task": ds.task, "classes": ds.num_classes, "metric": metric,
+                          "text_encoder": ds.encoder, "train_tasks": int(train_pos.numel()),
+                          **{f"{k}_tasks": int(v.numel()) for k, v in ds.splits.items() if k != "train"}},
+                    extras={"dataset": ds})
 
 
-def evaluate(cfg: Config, run_dir: Path) -> dict[str, Any]:
-    """Test metrics of the fine-tuned model saved by :func:`run` (``RUN/model``)."""
-    from domainfm import create_model
+def in_context_protocol(ctx: ArmContext) -> dict[str, Any]:
+    p, ds = ctx.cfg.protocols, ctx.task.extras["dataset"]
+    out: dict[str, Any] = {}
+    if p.in_context:
+        out["in_context"] = in_context(ctx.model, ds, n_way=p.n_way, k_shot=p.k_shot, n_query=p.n_query,
+                                       n_episodes=p.n_episodes, seed=ctx.cfg.data.seed, fanout=ctx.cfg.data.eval_fanout)
+    if p.zero_shot or p.sft:
+        model = ctx.model
+        if p.sft:
+            model = copy.deepcopy(ctx.model).train()
+            sft_cfg = TrainConfig(max_steps=p.sft_steps, batch_size=ctx.cfg.train.batch_size, lr=p.sft_lr,
+                                  progress=False, weight_decay=0.0, seed=ctx.seed, accelerator=ctx.cfg.train.accelerator,
+                                  drop_last=False, log_every_steps=max(1, p.sft_steps // 5), head_patterns=[])
+            with torch.enable_grad():
+                Trainer(sft_cfg, run_dir=ctx.run_dir / "sft").fit(SFTRecipe(model, ds, ctx.task.collate_fn))
+            model.eval()
+        out["zero_shot_sft" if p.sft else "zero_shot"] = zero_shot(model, ds, fanout=ctx.cfg.data.eval_fanout)
+    return out
 
-    run_dir = Path(run_dir)
-    model = create_model(run_dir / "model").eval()
-    ds = load_task_dataset(cfg.data)
-    task, _, metric = _recipe_task(ds)
-    test = ds.splits["test"]
-    collate = TaskCollate(ds, cfg.data.eval_fanout, model.num_layers, eval_fanout=cfg.data.eval_fanout,
-                          use_edge_attr=cfg.data.use_edge_attr)
-    forward = link_forward if _is_link(ds) else task_forward
-    with torch.no_grad():
-        out = torch.cat([forward(model, collate(test[i:i + 256].tolist())[0]) for i in range(0, test.numel(), 256)])
-    scores = torch.sigmoid(out.reshape(-1)) if task == "binary" else out
-    result = M.compute(task, ds.y[test], scores)
-    return {f"test_{k}": v for k, v in result.items()}
+
+FAMILY = Family(
+    name="git",
+    config=Config,
+    data=build_task,
+    model_kwargs=lambda cfg, task: {"in_channels": task.extras["dataset"].num_features, "n_outputs": task.n_outputs},
+    # link prediction scores pooled endpoints: pooling_lin is its head
+    head=lambda cfg, task: "head" if task.n_outputs else "pooling_lin",
+    selection=lambda cfg, task: (task.info["metric"], "max"),
+    protocols_before=[in_context_protocol],
+)
+run, evaluate = FAMILY.run, FAMILY.evaluate

@@ -267,6 +267,6 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
     encoder, report = pretrain_encoder(cfg, run_dir)
     path = save_pretrained(encoder, Path(run_dir) / "encoder")
-    report["encoder_dir"] = str(path)
+    report["encoder_dir"] = report["saved_model"] = str(path)  # saved_model: read by fine-tuning stages
     print(f"pretrained encoder written to {path} (fine-tune with model.pretrained={path})")
     return report

@@ -67,56 +67,87 @@ def test_in_context_and_zero_shot_on_separable_embeddings():
         FT.zero_shot(GIT(6, 4, 1), ds)
 
 
+STAGE = "stages=[{family: git, config: pretrain, overrides: [model.name=git-test, train.max_steps=2, " \
+        "train.batch_size=64, 'data.datasets=[karate, nations]']}]"
+
+
 def _cli(tmp_path, *overrides, name="ft"):
-    rc = main(["finetune", "git", "model.name=git-test", "pretrain.max_steps=2", "pretrain.batch_size=64",
-               "pretrain.datasets=[karate, nations]", "train.max_epochs=2", "train.batch_size=8", "adapt.seeds=[0]", *overrides,
-               "--runs-dir", str(tmp_path), "--name", name])
+    rc = main(["finetune", "git", "model.name=git-test", STAGE, "train.max_epochs=2", "train.batch_size=8",
+               "adapt.seeds=[0]", *overrides, "--runs-dir", str(tmp_path), "--name", name])
     assert rc == 0
     run = tmp_path / "git" / name
     return run, json.loads((run / "report.json").read_text())
 
 
-def test_finetune_cli_node_task_with_baseline_and_evaluate(tmp_path):
-    run, report = _cli(tmp_path, "data.dataset=karate", "adapt.modes=[in_context, finetune, few_shot]",
-                       "adapt.n_episodes=4", "adapt.k_shot=2", "adapt.n_query=2", "train.monitor=val/accuracy")
-    assert report["init"].startswith("pretrained: in-process GIT pretraining on karate+nations (2 steps)")
-    assert report["task"] == "node" and report["metric"] == "accuracy"
-    for key in ("finetune_test_accuracy_pretrained", "finetune_test_accuracy_random", "few_shot_test_accuracy_pretrained",
-                "in_context_accuracy_pretrained", "in_context_accuracy_random"):
-        assert 0.0 <= report[key] <= 1.0, key
-    assert report["params_trainable"] == report["params_total"] == sum(
-        p.numel() for p in GIT(384, 16, 2, n_outputs=2).parameters())
-    assert (run / "pretrain" / "metrics.jsonl").is_file()
-    val = [json.loads(l) for l in (run / "finetune-pretrained" / "metrics.jsonl").read_text().splitlines()]
-    assert sum(r.get("split") == "val" for r in val) == 2 and all("accuracy" in r for r in val if r.get("split") == "val")
+def _evaluation(run):
     assert main(["evaluate", str(run)]) == 0
-    evaluation = json.loads((run / "evaluation.json").read_text())
-    assert evaluation["test_accuracy"] == pytest.approx(report["finetune_test_accuracy_pretrained"])
+    return json.loads((run / "evaluation.json").read_text())
+
+
+def test_finetune_cli_node_task_with_random_arm_and_evaluate(tmp_path):
+    run, report = _cli(tmp_path, "data.dataset=karate", "data.few_shot_k=3", "protocols.n_episodes=4",
+                       "protocols.k_shot=2", "protocols.n_query=2", "train.monitor=val/accuracy")
+    pre, rnd = report["arms"]["pretrained"], report["arms"]["random"]
+    assert pre["init"].startswith(f"pretrained {run / 'stages' / '0-git' / 'encoder'}") and "stage" in pre["init"]
+    assert rnd["init"].startswith("random")
+    assert report["data"]["graph_task"] == "node" and report["data"]["metric"] == "accuracy"
+    assert report["data"]["train_tasks"] == 3 * 2  # few-shot: 3 training tasks per class
+    assert pre["params"]["trainable"] == pre["params"]["total"] == sum(
+        p.numel() for p in GIT(384, 16, 2, n_outputs=2).parameters())
+    assert (run / "stages" / "0-git" / "metrics.jsonl").is_file()
+    val = [json.loads(l) for l in (run / "pretrained" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("split") == "val" for r in val) == 2 and all("accuracy" in r for r in val if r.get("split") == "val")
+    assert pre["in_context"]["n_way"] == rnd["in_context"]["n_way"] == 2
+    evaluation = _evaluation(run)
+    assert evaluation["max_abs_diff_val"] <= 1e-6
+    for arm in ("pretrained", "random"):
+        assert evaluation["arms"][arm]["test"] == pytest.approx(report["arms"][arm]["test"], abs=1e-6)
+
+
+def test_train_monitor_in_config_is_honoured(tmp_path):
+    # train.monitor chooses the selection metric (it used to be overwritten by the task's rule)
+    run, report = _cli(tmp_path, "data.dataset=karate", "protocols.in_context=false", "arms=[random]",
+                       "train.monitor=val/loss", "train.monitor_mode=min", "train.max_epochs=3", name="mon")
+    assert report["monitor"] == "val/loss"
+    vals = [json.loads(l) for l in (run / "random" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in vals if r.get("split") == "val"]
+    best = min(vals, key=lambda r: r["loss"])
+    assert report["arms"]["random"]["best_step"] == best["step"]
 
 
 def test_finetune_cli_edge_task_lora_sft_zero_shot(tmp_path):
     run, report = _cli(tmp_path, "data.dataset=nations", "data.min_relation_count=60",
-                       "model.overrides={hidden_channels: 384}", "adapt.modes=[sft, finetune]", "adapt.mode=lora",
-                       "adapt.sft_steps=2", "adapt.baseline=false", "train.monitor=val/accuracy", "train.max_epochs=1",
-                       "train.batch_size=64", "data.train_fanout=3", name="edge")
-    assert report["task"] == "edge" and "finetune_test_accuracy_random" not in report
-    assert 0 <= report["zero_shot_sft_accuracy_pretrained"] <= 1
-    assert report["params_trainable"] < report["params_total"] / 4  # LoRA adapters + head only
-    assert (run / "sft-pretrained" / "metrics.jsonl").is_file()
-    assert (run / "adapter" / "adapter_model.safetensors").is_file()
-    assert main(["evaluate", str(run)]) == 0  # RUN/model holds the merged LoRA weights
-    evaluation = json.loads((run / "evaluation.json").read_text())
-    assert evaluation["test_accuracy"] == pytest.approx(report["finetune_test_accuracy_pretrained"])
+                       "model.kwargs={hidden_channels: 384}", "protocols.in_context=false", "protocols.sft=true",
+                       "adapt.mode=lora", "protocols.sft_steps=2", "arms=[pretrained]", "train.monitor=val/accuracy",
+                       "train.max_epochs=1", "train.batch_size=64", "data.train_fanout=3",
+                       STAGE.replace("train.max_steps=2", "train.max_steps=2, 'model.overrides={hidden_channels: 384}'"),
+                       name="edge")
+    arm = report["arms"]["pretrained"]
+    assert report["data"]["graph_task"] == "edge" and list(report["arms"]) == ["pretrained"]
+    assert set(arm["zero_shot_sft"]) >= {"accuracy"} and arm["mode"] == "lora"
+    assert arm["params"]["trainable"] < arm["params"]["total"] / 4  # LoRA adapters + head only
+    assert (run / "pretrained" / "sft" / "metrics.jsonl").is_file()
+    assert (run / "pretrained" / "adapter" / "adapter_model.safetensors").is_file()
+    evaluation = _evaluation(run)  # RUN/pretrained/model holds the merged LoRA weights
+    assert evaluation["max_abs_diff_val"] <= 1e-6
 
 
-def test_missing_pretrained_weights_error_or_explicit_random_fallback(tmp_path):
+def test_missing_pretrained_weights_is_an_error_even_with_random_fallback(tmp_path):
+    from domainfm.experiment import WeightsUnavailable
+
     missing = tmp_path / "nowhere" / "encoder"
-    with pytest.raises(SystemExit, match="pretrained_fallback=random"):
-        _cli(tmp_path, f"model.pretrained={missing}", "data.dataset=karate", "adapt.modes=[in_context]", name="a")
-    _, report = _cli(tmp_path, f"model.pretrained={missing}", "model.pretrained_fallback=random", "data.dataset=karate",
-                     "adapt.modes=[in_context]", "adapt.n_episodes=2", "adapt.k_shot=2", "adapt.n_query=2", name="b")
-    assert report["init"] == "random" and "in_context_accuracy_random" in report
-    assert "in_context_accuracy_pretrained" not in report
+    # a file the user named never falls back to random init
+    with pytest.raises(FileNotFoundError):
+        _cli(tmp_path, f"model.pretrained={missing}", "model.fallback=random", "data.dataset=karate",
+             "adapt.mode=none", "stages=[]", name="a")
+    # the card's own weights (git-test registers none) fall back only when asked to
+    with pytest.raises(WeightsUnavailable, match="model.fallback=random"):
+        _cli(tmp_path, "model.pretrained=true", "data.dataset=karate", "adapt.mode=none", "stages=[]", name="b")
+    _, report = _cli(tmp_path, "model.pretrained=true", "model.fallback=random", "data.dataset=karate",
+                     "adapt.mode=none", "stages=[]", "protocols.n_episodes=2", "protocols.k_shot=2",
+                     "protocols.n_query=2", name="c")
+    assert report["arms"]["pretrained"]["init"].startswith("random (fallback: git-test has no registered weight source")
+    assert "in_context" in report["arms"]["pretrained"] and "best_step" not in report["arms"]["pretrained"]
 
 
 def test_in_context_binary_auc_scores_the_real_positive_class():
@@ -146,17 +177,17 @@ def test_link_prediction_split_holds_out_edges():
         G.link_prediction_split(G.load_nations(G.HashingTextEncoder(384)))
 
 
-def test_finetune_cli_link_prediction(tmp_path):
-    run, report = _cli(tmp_path, "data.dataset=karate", "data.task=link", "adapt.modes=[in_context, finetune]",
-                       "adapt.baseline=false", "adapt.n_episodes=3", "train.max_epochs=2", "train.batch_size=32",
-                       "adapt.seeds=[0, 5]", name="link")
-    assert report["dataset"] == "karate-link" and report["metric"] == "roc_auc"
-    assert 0 <= report["finetune_test_roc_auc_pretrained"] <= 1 and 0 <= report["in_context_roc_auc_pretrained"] <= 1
-    runs = report["finetune_test_roc_auc_runs_pretrained"]
-    assert len(runs) == 2 and report["finetune_test_roc_auc_pretrained"] == pytest.approx(sum(runs) / 2)
-    assert (run / "finetune-pretrained-seed5" / "metrics.jsonl").is_file() and report["model_seed"] == 0
+def test_finetune_cli_link_prediction_over_seeds(tmp_path):
+    run, report = _cli(tmp_path, "data.dataset=karate", "data.task=link", "arms=[pretrained]",
+                       "protocols.n_episodes=3", "train.max_epochs=2", "train.batch_size=32", "adapt.seeds=[0, 5]",
+                       name="link")
+    arm = report["arms"]["pretrained"]
+    assert report["data"]["dataset"] == "karate-link" and report["data"]["metric"] == "roc_auc"
+    runs = [r["test"]["roc_auc"] for r in arm["seeds"]]
+    assert len(runs) == 2 and arm["test"]["roc_auc"] == pytest.approx(sum(runs) / 2)
+    assert arm["test_std"]["roc_auc"] == pytest.approx(float(torch.tensor(runs, dtype=torch.float64).std()))
+    assert (run / "pretrained" / "seed5" / "metrics.jsonl").is_file() and arm["seeds"][0]["seed"] == 0
     # no head: link scores are dot products of pooled endpoints
-    assert report["params_total"] == sum(p.numel() for p in GIT(384, 16, 2).parameters())
-    assert main(["evaluate", str(run)]) == 0
-    evaluation = json.loads((run / "evaluation.json").read_text())
-    assert evaluation["test_roc_auc"] == pytest.approx(runs[0])  # RUN/model is the first repeat
+    assert arm["params"]["total"] == sum(p.numel() for p in GIT(384, 16, 2).parameters())
+    evaluation = _evaluation(run)  # RUN/pretrained/model is the first repeat
+    assert evaluation["arms"]["pretrained"]["test"]["roc_auc"] == pytest.approx(runs[0], abs=1e-6)

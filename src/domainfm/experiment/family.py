@@ -94,7 +94,8 @@ class Family:
         protocols_before: ``fn(ctx) -> dict`` run on each arm's model before adaptation (zero-shot,
             in-context); results are stored under the arm.
         protocols: the same, after adaptation (on the selected model).
-        head: module name(s) trained in ``linear_probe`` and kept trainable under LoRA.
+        head: module name(s) trained in ``linear_probe`` and kept trainable under LoRA, or
+            ``fn(cfg, task) -> names`` when it depends on the task.
         prepare: ``fn(cfg, model, mode)`` after the shared mode preparation (e.g. refreeze buffers).
         stage_source: which key of a stage's report gives the ``pretrained`` arm's weights.
     """
@@ -106,7 +107,7 @@ class Family:
     recipe: Callable[[Any, nn.Module, TaskData], Recipe] | None = None
     protocols_before: Sequence[Protocol] = ()
     protocols: Sequence[Protocol] = ()
-    head: str | Sequence[str] = "head"
+    head: str | Sequence[str] | Callable[[Any, TaskData], str | Sequence[str]] = "head"
     prepare: Callable[[Any, nn.Module, str], None] | None = None
     selection: Callable[[Any, TaskData], tuple[str, str]] | None = None
 
@@ -180,7 +181,8 @@ class Family:
                     result.update(protocol(ctx))
         total = sum(p.numel() for p in model.parameters())
         if mode != "none":
-            prepare_mode(model, mode, head=self.head, lora=cfg.adapt.lora)
+            head = self.head(cfg, task) if callable(self.head) else self.head
+            prepare_mode(model, mode, head=head, lora=cfg.adapt.lora)
         else:
             for p in model.parameters():
                 p.requires_grad_(False)

@@ -16,7 +16,7 @@ import numpy as np
 
 __all__ = ["aggregate_seeds", "flatten", "table_rows", "format_table", "print_table", "to_markdown"]
 
-_NOT_METRICS = {"init", "mode", "best_step", "steps", "seed", "seeds", "model_dir", "adapter_dir", "skipped"}
+_NOT_METRICS = {"init", "mode", "best_step", "steps", "seed", "seeds", "model_dir", "adapter_dir", "skipped", "params"}
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -56,7 +56,7 @@ def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(flats[0])
     stds: dict[str, float] = {}
     for key, value in flats[0].items():
-        if key.split(".")[0] in _NOT_METRICS or not _is_number(value):
+        if key.split(".")[0] in _NOT_METRICS or key.endswith("n_way") or not _is_number(value):
             continue
         values = [f.get(key) for f in flats]
         if all(_is_number(v) for v in values):
@@ -78,13 +78,20 @@ def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table_rows(report: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, list[Any]]]]:
-    """(arm names, rows of (metric, one value per arm)), ``init`` first."""
+    """(arm names, rows of (metric, one value per arm)), ``init`` first. A metric repeated over
+    seeds reads ``mean ± std``."""
     arms = list(report.get("arms", {}))
-    per_arm = {a: flatten({k: v for k, v in report["arms"][a].items() if k != "seeds"}) for a in arms}
+    per_arm = {}
+    for a in arms:
+        arm = report["arms"][a]
+        flat = flatten({k: v for k, v in arm.items() if k != "seeds" and not k.endswith("_std")})
+        stds = flatten({k[:-4]: v for k, v in arm.items() if k.endswith("_std") and isinstance(v, Mapping)})
+        per_arm[a] = {k: (f"{_fmt(v)} ± {_fmt(stds[k])}" if k in stds and _is_number(v) else v) for k, v in flat.items()}
     keys: list[str] = []
     for a in arms:
         for k, v in per_arm[a].items():
-            if k not in keys and k not in ("model_dir", "adapter_dir", "seed") and (_is_number(v) or k in ("init", "mode", "skipped")):
+            if k not in keys and k not in ("model_dir", "adapter_dir", "seed") and (
+                    _is_number(v) or isinstance(v, str) and ("±" in v or k in ("init", "mode", "skipped"))):
                 keys.append(k)
     front = [k for k in ("init", "mode", "skipped", "best_step") if k in keys]
     keys = front + [k for k in keys if k not in front]
