@@ -164,14 +164,6 @@ def apply_adapter(model: nn.Module, section: AdapterSection) -> nn.Module:
     return model
 
 
-def _refreeze_fixed(model: nn.Module) -> None:
-    # Kept only while finetune/explora.py still imports it; use
-    # domainfm.models.explora.satmae.freeze_fixed_encodings.
-    from domainfm.models.explora.satmae import freeze_fixed_encodings
-
-    freeze_fixed_encodings(model)
-
-
 def load_scene(data: DataSection):
     """The scene of a raster ``data`` section: ``domainfm.data_loaders.satellite.load_scene``
     (unpacks as normalised ``(C, H, W)`` image, raw array, band names, BandStats)."""
