@@ -69,6 +69,7 @@ def official_edge_loop(edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor
 
 def bench_trees(args) -> None:
     from domainfm.data_loaders import graph as G
+    from domainfm.models.git import task_trees
 
     x, ei = _random_graph(args.nodes, args.edges, 16)
     csr = G.build_csr(ei, args.nodes)
@@ -80,7 +81,7 @@ def bench_trees(args) -> None:
     n_graphs = 100
     ptr = torch.linspace(0, args.nodes, n_graphs + 1).long()
     graph_idx = torch.randint(0, n_graphs, (B,), generator=gen)
-    backend = "numba" if G._numba_kernels() is not None else "torch"
+    backend = "numba" if task_trees._numba_kernels() is not None else "torch"
     print(f"task-trees on a random graph: {args.nodes} nodes, {ei.shape[1]} directed edges; batch {B}, fan-out {fan}; "
           f"default path: {backend}")
     rates = {}

@@ -117,6 +117,18 @@ def _tree_cases():
                     yield x, ei, ea, ptr, task, index, virtual_root, shared, fanouts
 
 
+
+def test_numba_backend_loads_the_git_kernels(monkeypatch):
+    # the equality test below would pass trivially if the kernels failed to import (silent torch fallback)
+    pytest.importorskip("numba")
+    from domainfm.models.git import _task_tree_numba, task_trees
+
+    monkeypatch.setenv("DOMAINFM_GRAPH_BACKEND", "numba")
+    assert task_trees._numba_kernels() is _task_tree_numba
+    monkeypatch.setenv("DOMAINFM_GRAPH_BACKEND", "torch")
+    assert task_trees._numba_kernels() is None
+    assert G.build_task_trees is task_trees.build_task_trees  # re-exported for existing callers
+
 def test_numba_and_torch_paths_build_identical_trees(monkeypatch):
     pytest.importorskip("numba")
     checked = 0

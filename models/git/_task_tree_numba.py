@@ -1,6 +1,6 @@
 """Compiled (numba) kernels for task-tree construction: one fused pass per tree level.
 
-The vectorised torch path in :mod:`domainfm.data_loaders.graph` needs about twenty passes over
+The vectorised torch path in :mod:`domainfm.models.git.task_trees` needs about twenty passes over
 the sampled neighbours of a level (segment offsets, gathers, the first-occurrence dedupe of the
 shared form); these kernels do the same work in one loop. They consume the same random numbers
 in the same order and place nodes in the same first-occurrence order, so for a seeded generator
