@@ -37,7 +37,7 @@ def _common(tmp_path):
     root.mkdir(exist_ok=True)
     _write_labelled(root / "train.edf", seed=0)
     _write_labelled(root / "val.edf", seconds=30, seed=1)
-    return ["model.name=cbramod-test", "model.pretrained=false", "data.kind=files", f"data.root={root}",
+    return ["model.name=cbramod-test", "model.pretrained=null", "model.kwargs={}", "stages=[]", "data.kind=files", f"data.root={root}",
             "data.train=[train.edf]", "data.val=[val.edf]", "data.eeg.channels=[Fp1, Fp2, O1, O2]",
             "data.eeg.events={A: 0, B: 1}", "data.eeg.window_s=2.0", "n_outputs=2",
             "train.batch_size=4", "train.progress=false", "train.log_every_steps=1"]
@@ -58,74 +58,83 @@ LORA_TARGETS = ["encoder.layers.*.self_attn_*.in_proj", "encoder.layers.*.self_a
                 "encoder.layers.*.linear1", "encoder.layers.*.linear2"]
 
 
+def _report(run):
+    return json.loads((run / "report.json").read_text())
+
+
 def test_lora_finetune_through_cli_and_adapter_reload(tmp_path):
-    _, weights = _official_file(tmp_path)
-    args = ["finetune", "cbramod", *_common(tmp_path), f"model.pretrained={weights}", "mode=lora", "lora.rank=2",
-            f"lora.targets={LORA_TARGETS}", "model.head_type=avgpooling_patch_reps", "train.max_steps=4",
-            "train.lr=1e-3", "--runs-dir", str(tmp_path / "runs"), "--name", "lora"]
+    source, weights = _official_file(tmp_path)
+    args = ["finetune", "cbramod", *_common(tmp_path), f"model.pretrained={weights}", "adapt.mode=lora",
+            "adapt.lora.rank=2", "arms=[pretrained]", "model.kwargs={head_type: avgpooling_patch_reps}",
+            "train.max_steps=4", "train.lr=1e-3", "--runs-dir", str(tmp_path / "runs"), "--name", "lora"]
     assert cli.main(args) == 0
     run = tmp_path / "runs" / "cbramod" / "lora"
-    report = json.loads((run / "report.json").read_text())
-    assert report["init"].startswith(f"pretrained: {weights}")
-    assert report["mode"] == "lora" and report["steps"] == 4
-    assert report["params_trainable"] / report["params_total"] < 0.05
-    assert report["train_examples"] == 19 and report["val_examples"] == 9
-    assert report["selected_by"] == "val cohen_kappa"
-    assert {"val_balanced_accuracy", "val_cohen_kappa", "val_f1_weighted"} <= set(report)
-    best = load_file(str(run / "checkpoints" / "best.safetensors"))
+    report = _report(run)
+    arm = report["arms"]["pretrained"]
+    assert arm["init"].startswith(f"pretrained {weights}") and arm["mode"] == "lora" and arm["steps"] == 4
+    assert report["adapt"]["mode"] == "lora" and report["labels"] == "recorded"
+    assert arm["params"]["trainable"] / arm["params"]["total"] < 0.05
+    assert report["data"]["train_examples"] == 19 and report["data"]["val_examples"] == 9
+    assert report["monitor"] == "val/cohen_kappa"
+    assert {"balanced_accuracy", "cohen_kappa", "f1_weighted"} <= set(arm["val"])
+    best = load_file(str(run / "pretrained" / "checkpoints" / "best.safetensors"))
     assert any(".base_layer." in k for k in best)
 
-    # the saved adapter on a freshly loaded base gives the predictions of the trained model
-    from domainfm.finetune.supervised import LoraSettings, prepare_mode
-
-    cfg = ft.Config(n_outputs=2, model=ft.ModelSection(name="cbramod-test", head_type="avgpooling_patch_reps"))
-    trained, _ = ft.build_model(cfg, 4, 400, pretrained=str(weights))
-    prepare_mode(trained, "lora", head="head", lora=LoraSettings(targets=LORA_TARGETS, rank=2, alpha=16.0))
-    trained.load_state_dict(best)
-    base, _ = ft.build_model(cfg, 4, 400, pretrained=str(weights))
-    untouched = ft.build_model(cfg, 4, 400, pretrained=str(weights))[0].eval()
-    reloaded = lora.load_adapter(base, run / "adapter")
+    # the saved adapter on a freshly loaded base gives the predictions of the merged saved model
+    kwargs = dict(n_chans=4, n_times=400, n_outputs=2, head_type="avgpooling_patch_reps", reconstruction_head=False)
+    saved = create_model(run / "pretrained" / "model").eval()
+    base = create_model("cbramod-test", pretrained=str(weights), **kwargs)
+    untouched = create_model("cbramod-test", pretrained=str(weights), **kwargs).eval()
+    assert torch.equal(base.encoder.layers[1].linear1.weight, source.encoder.layers[1].linear1.weight)
+    reloaded = lora.load_adapter(base, run / "pretrained" / "adapter").eval()
     x = torch.randn(3, 4, 400)
-    trained.eval(), reloaded.eval()
     with torch.no_grad():
-        want, got = trained(x), reloaded(x)
-        assert torch.equal(got, want)
+        torch.testing.assert_close(reloaded(x), saved(x), atol=1e-5, rtol=1e-5)
         # and the adapter changed the backbone: same head, LoRA deltas removed -> other features
         untouched.head.load_state_dict(reloaded.head.state_dict())
         assert (untouched.forward_features(x) - reloaded.forward_features(x)).abs().max() > 1e-6
-    # `domainfm evaluate` rebuilds the LoRA model from the run folder
+    # `domainfm evaluate` scores RUN/pretrained/model (LoRA merged) exactly as the run did
     assert cli.main(["evaluate", str(run)]) == 0
     evaluation = json.loads((run / "evaluation.json").read_text())
-    assert evaluation["val_cohen_kappa"] == pytest.approx(report["val_cohen_kappa"], abs=1e-6)
+    assert evaluation["max_abs_diff_val"] <= 1e-6
+    assert evaluation["arms"]["pretrained"]["val"]["cohen_kappa"] == pytest.approx(arm["val"]["cohen_kappa"], abs=1e-6)
 
 
-def test_full_finetune_learns_the_synthetic_events(tmp_path):
-    args = ["finetune", "cbramod", *_common(tmp_path), "train.max_epochs=6", "train.lr=5e-4",
-            "train.head_lr=1e-3", "--runs-dir", str(tmp_path / "runs"), "--name", "full"]
+def test_full_finetune_learns_the_synthetic_events_in_both_arms(tmp_path):
+    _, weights = _official_file(tmp_path)
+    args = ["finetune", "cbramod", *_common(tmp_path), f"model.pretrained={weights}", "train.max_epochs=6",
+            "train.lr=5e-4", "train.head_lr=1e-3", "--runs-dir", str(tmp_path / "runs"), "--name", "full"]
     assert cli.main(args) == 0
-    report = json.loads((tmp_path / "runs" / "cbramod" / "full" / "report.json").read_text())
-    assert report["params_trainable"] == report["params_total"]
-    assert report["val_balanced_accuracy"] >= 0.75  # channel-0 vs channel-3 10 Hz bursts
+    report = _report(tmp_path / "runs" / "cbramod" / "full")
+    assert list(report["arms"]) == ["pretrained", "random"]
+    for arm in report["arms"].values():
+        assert arm["params"]["trainable"] == arm["params"]["total"]
+        assert arm["val"]["balanced_accuracy"] >= 0.75  # channel-0 vs channel-3 10 Hz bursts
+    assert report["arms"]["random"]["init"] == "random (no pretrained weights requested)"
+    # the selected step is the best validation kappa of the arm's own log
+    log = [json.loads(l) for l in (tmp_path / "runs" / "cbramod" / "full" / "random" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in log if r.get("split") == "val"]
+    assert max(r["cohen_kappa"] for r in vals) == pytest.approx(
+        next(r for r in vals if r["step"] == report["arms"]["random"]["best_step"])["cohen_kappa"])
 
 
-def test_pretrained_file_is_loaded_and_offline_default_says_so(tmp_path, monkeypatch, capsys):
-    source, path = _official_file(tmp_path)
-    cfg = ft.Config(n_outputs=2, model=ft.ModelSection(name="cbramod-test", pretrained=str(path)))
-    model, init = ft.build_model(cfg, 4, 400, pretrained=str(path))
-    assert init.startswith(f"pretrained: {path}")
-    assert torch.equal(model.encoder.layers[1].linear1.weight, source.encoder.layers[1].linear1.weight)
-    assert model.proj_out is None  # the reconstruction head is dropped for fine-tuning
+def test_card_weights_offline_stop_or_fall_back_as_configured(tmp_path, monkeypatch, capsys):
+    from domainfm.experiment import ModelSpec, WeightsUnavailable, resolve
 
+    monkeypatch.setenv("DOMAINFM_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("DOMAINFM_OFFLINE", "1")
-    strict = ft.Config(n_outputs=2, model=ft.ModelSection(name="cbramod-base", pretrained=True))
-    with pytest.raises(SystemExit, match="pretrained_fallback=error"):
-        ft.build_model(strict, 4, 400, pretrained=True)
-    fallback = ft.Config(n_outputs=2, model=ft.ModelSection(name="cbramod-test", pretrained=True,
-                                                            pretrained_fallback="random"))
-    model, init = ft.build_model(fallback, 4, 400, pretrained=True)
-    assert init == "random"
-    err = capsys.readouterr().err
-    assert "cbramod-test has no pretrained weights" in err and "RANDOM initialisation" in err
+    kwargs = dict(n_chans=4, n_times=400, n_outputs=2, reconstruction_head=False)
+    with pytest.raises(WeightsUnavailable, match="model.fallback=random"):
+        resolve(ModelSpec("cbramod-base", True, "error", kwargs, "official"))
+    model, init = resolve(ModelSpec("cbramod-base", True, "random", kwargs, "official"))
+    assert init.kind == "random" and str(init).startswith("random (fallback: OfflineError")
+    assert "RANDOM initialisation" in capsys.readouterr().err
+    # a file the user named is never replaced by random init
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(Exception) as info:
+        resolve(ModelSpec("cbramod-test", str(bad), "random", kwargs))
+    assert not isinstance(info.value, WeightsUnavailable) and str(bad) in str(info.value)
 
 
 def test_embedded_default_task_is_built_from_the_shipped_recording():
@@ -133,6 +142,10 @@ def test_embedded_default_task_is_built_from_the_shipped_recording():
     assert train.x.shape == (19 * 12, 4, 800) and val.x.shape == (9 * 12, 4, 800)
     assert torch.bincount(train.y).tolist() == [76, 76, 76]
     assert torch.isfinite(train.x).all() and 0.05 < float(train.x.std()) < 2.0  # 100 µV units
-    cfg_path = __import__("domainfm.config", fromlist=["config_path"]).config_path("cbramod", "finetune")
-    text = cfg_path.read_text()
-    assert "pretrained_fallback: random" in text and "CONSTRUCTED" in text
+    # the embedded default's config parses, names the pretraining stage and labels the task as constructed
+    from domainfm import config as cfgmod
+
+    cfg = cfgmod.from_dict(ft.Config, cfgmod.load_yaml(cfgmod.config_path("cbramod", "finetune")))
+    assert cfg.arms == ["pretrained", "random"] and cfg.stages[0].config == "pretrain_demo"
+    task = ft.build_task(cfg)
+    assert task.labels.startswith("constructed:") and task.n_outputs == 3 and task.info["n_chans"] == 4
