@@ -24,23 +24,20 @@ classification and link prediction (the selection metric unless ``train.monitor`
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.utils.data import Dataset
 
 from domainfm.data_loaders import graph as G
-from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.engine import TrainConfig, Trainer
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, StageSection, TaskData
-from domainfm.finetune import metrics as M
+from domainfm.finetune.in_context import SFTRecipe, in_context, zero_shot
 from domainfm.finetune.supervised import LoraSettings
+from domainfm.models.git.tasks import TaskCollate, TaskItems, is_link, link_forward, task_forward
 
-__all__ = ["Config", "FAMILY", "run", "evaluate", "prototype_logits", "in_context", "zero_shot", "TaskItems",
-           "GraphBatchInput", "TaskCollate", "embed_tasks", "load_task_dataset", "build_task"]
+__all__ = ["Config", "DataSection", "ProtocolSection", "FAMILY", "run", "evaluate", "load_task_dataset", "build_task",
+           "in_context_protocol"]
 
 
 @dataclass
@@ -84,196 +81,12 @@ class Config(ExperimentConfig):
         monitor="val/roc_auc", monitor_mode="max", drop_last=False))
 
 
-# --------------------------------------------------------------------------- batches
-
-
-class TaskItems(Dataset):
-    """Positions into a dataset's labelled tasks; the collate function builds the batch. Items of
-    an ``evaluation`` set are marked, so that one collate function samples training trees with the
-    training fan-out and evaluation trees with the evaluation fan-out."""
-
-    def __init__(self, positions: Tensor, evaluation: bool = False):
-        self.positions, self.evaluation = positions.long(), evaluation
-
-    def __len__(self) -> int:
-        return self.positions.numel()
-
-    def __getitem__(self, i: int) -> tuple[int, bool]:
-        return int(self.positions[i]), self.evaluation
-
-
-@dataclass
-class GraphBatchInput:
-    """Whole graphs as one disjoint union (graph tasks)."""
-
-    x: Tensor
-    edge_index: Tensor
-    batch: Tensor
-    edge_attr: Tensor | None = None
-
-    def to(self, device) -> "GraphBatchInput":
-        return GraphBatchInput(*(t.to(device) if t is not None else None for t in
-                                 (self.x, self.edge_index, self.batch, self.edge_attr)))
-
-
-class TaskCollate:
-    """Builds ``(input, labels)`` for :class:`TaskItems` (or plain positions) of ``ds``: task-trees
-    without virtual roots (node/edge), sampled with ``fanout`` (``eval_fanout`` for evaluation
-    items), or a batch of whole graphs (graph)."""
-
-    def __init__(self, ds: G.GraphDataset, fanout: int, num_layers: int, *, eval_fanout: int = -1,
-                 use_edge_attr: bool = False):
-        self.ds, self.num_layers, self.fanout, self.eval_fanout = ds, num_layers, fanout, eval_fanout
-        self.edge_attr = ds.edge_attr if use_edge_attr else None
-
-    def __call__(self, items) -> tuple[Any, Tensor]:
-        items = list(items)
-        evaluation = bool(items) and isinstance(items[0], tuple) and items[0][1]
-        pos = torch.as_tensor([i[0] if isinstance(i, tuple) else i for i in items], dtype=torch.long)
-        fanouts = [self.eval_fanout if evaluation else self.fanout] * self.num_layers
-        ds, y = self.ds, self.ds.y[pos]
-        if ds.task == "graph":
-            x, ei, batch, attr = ds.graphs(ds.task_index[pos])
-            return GraphBatchInput(x, ei, batch, attr if self.edge_attr is not None else None), y
-        index = ds.task_index[..., pos]
-        trees = G.build_task_trees(ds.x, None, ds.task, index, fanouts, csr=ds.csr, virtual_root=False,
-                                   shared=True, edge_attr=self.edge_attr)
-        return trees, y
-
-
-def link_forward(model: nn.Module, inp: G.TaskTreeBatch) -> Tensor:
-    """Link logits: ``pooling_lin(z[u]) . pooling_lin(z[v]) / sqrt(hidden)``.
-
-    The official link prediction scores ``sigmoid(pooling_lin(z[u]) . pooling_lin(z[v]))``; the
-    ``1/sqrt(hidden)`` scale (same ranking, so the same ROC-AUC) keeps the initial logits of a
-    768-wide model out of the saturated range where BCE gradients vanish."""
-    z = model.forward_features(inp.x, inp.edge_index, inp.edge_attr)
-    p = model.pooling_lin(z)
-    return (p.index_select(0, inp.roots[0]) * p.index_select(0, inp.roots[1])).sum(-1) / math.sqrt(p.shape[-1])
-
-
-def task_forward(model: nn.Module, inp: Any, *, head: bool = True) -> Tensor:
-    """Task embeddings (``head=False``) or logits of a batch built by :class:`TaskCollate`."""
-    if isinstance(inp, GraphBatchInput):
-        z = model.forward_features(inp.x, inp.edge_index, inp.edge_attr)
-        emb = model.task_embedding(z, "graph", inp.batch)
-    else:
-        z = model.forward_features(inp.x, inp.edge_index, inp.edge_attr)
-        emb = model.task_embedding(z, inp.task, inp.roots)
-    return model.forward_head(emb) if head else emb
-
-
-@torch.no_grad()
-def embed_tasks(model: nn.Module, ds: G.GraphDataset, positions: Tensor, *, fanout: int = -1,
-                batch_size: int = 256, use_edge_attr: bool = False) -> Tensor:
-    """Eval-mode task embeddings (after ``pooling_lin``) of ``positions``, in chunks."""
-    was = model.training
-    model.eval()
-    collate = TaskCollate(ds, fanout, model.num_layers, eval_fanout=fanout, use_edge_attr=use_edge_attr)
-    out = [task_forward(model, collate(positions[i:i + batch_size].tolist())[0], head=False)
-           for i in range(0, positions.numel(), batch_size)]
-    model.train(was)
-    return torch.cat(out)
-
-
-# --------------------------------------------------------------------------- prototypes
-
-
-def prototype_logits(query: Tensor, prototypes: Tensor) -> Tensor:
-    """``-(2 - 2 cos(query, prototype))`` for every query/prototype pair: (Q, C)."""
-    return -(2 - 2 * F.normalize(query, dim=-1) @ F.normalize(prototypes, dim=-1).t())
-
-
-def class_prototypes(support: Tensor, labels: Tensor, n_classes: int) -> Tensor:
-    """Mean of the L2-normalised support embeddings of each class: (C, d)."""
-    from torch_geometric.utils import scatter
-
-    return scatter(F.normalize(support, dim=-1), labels, dim=0, dim_size=n_classes, reduce="mean")
-
-
-def _episode_metric(task: str, logits: Tensor, y: Tensor) -> dict[str, float]:
-    out = {"accuracy": M.accuracy(y, logits.argmax(-1))}
-    if task in ("graph", "link") and logits.shape[1] == 2 and y.unique().numel() == 2:
-        out["roc_auc"] = M.roc_auc(y, logits.softmax(-1)[:, 1])
-    return out
-
-
-def in_context(model: nn.Module, ds: G.GraphDataset, *, n_way: int, k_shot: int, n_query: int, n_episodes: int,
-               seed: int = 0, fanout: int = -1) -> dict[str, float]:
-    """n-way k-shot episodes without gradients: support from the training split, queries from the
-    test split; mean (and std) of the episode metrics."""
-    g = torch.Generator().manual_seed(seed)
-    train, test = ds.splits["train"], ds.splits["test"]
-    ok = [c for c in range(ds.num_classes)
-          if (ds.y[train] == c).sum() >= k_shot and (ds.y[test] == c).sum() >= n_query]
-    way = min(n_way, len(ok))
-    if way < 2:
-        raise G.GraphError(f"{ds.name}: in-context needs 2 classes with >= {k_shot} training and >= {n_query} test tasks")
-    needed = torch.unique(torch.cat([train[torch.isin(ds.y[train], torch.tensor(ok))],
-                                     test[torch.isin(ds.y[test], torch.tensor(ok))]]))
-    emb = embed_tasks(model, ds, needed, fanout=fanout)
-    row = {int(p): i for i, p in enumerate(needed.tolist())}
-    scores: dict[str, list[float]] = {}
-    for _ in range(n_episodes):
-        classes = torch.tensor(ok)[torch.randperm(len(ok), generator=g)[:way]]
-        s_pos, q_pos, s_y, q_y = [], [], [], []
-        for new, c in enumerate(classes.tolist()):
-            pool_s, pool_q = train[ds.y[train] == c], test[ds.y[test] == c]
-            s_pos.append(pool_s[torch.randperm(pool_s.numel(), generator=g)[:k_shot]])
-            q_pos.append(pool_q[torch.randperm(pool_q.numel(), generator=g)[:n_query]])
-            s_y.append(torch.full((k_shot,), new))
-            q_y.append(torch.full((n_query,), new))
-        take = lambda ps: emb[[row[int(p)] for p in torch.cat(ps).tolist()]]
-        logits = prototype_logits(take(q_pos), class_prototypes(take(s_pos), torch.cat(s_y), way))
-        # class order is shuffled per episode: score the positive class of binary tasks
-        q_true = torch.cat(q_y)
-        if ds.num_classes == 2 and way == 2:
-            # binary: columns back in class order, so that ROC-AUC scores the real positive class
-            logits, q_true = logits[:, torch.argsort(classes)], classes[q_true]
-        for k, v in _episode_metric("link" if _is_link(ds) else ds.task, logits, q_true).items():
-            scores.setdefault(k, []).append(v)
-    out = {}
-    for k, vs in scores.items():
-        t = torch.tensor(vs)
-        out[k] = float(t.mean())
-        out[f"{k}_std"] = float(t.std()) if len(vs) > 1 else 0.0
-    out["n_way"] = way
-    return out
-
-
-def zero_shot(model: nn.Module, ds: G.GraphDataset, *, fanout: int = -1) -> dict[str, float]:
-    """Classify the test split against the class-description embeddings (no labels used)."""
-    if model.hidden_channels != ds.class_emb.shape[1]:
-        raise G.GraphError(f"zero-shot compares pooling_lin outputs ({model.hidden_channels}-d) with class texts "
-                           f"({ds.class_emb.shape[1]}-d): needs hidden_channels == in_channels")
-    test = ds.splits["test"]
-    logits = prototype_logits(embed_tasks(model, ds, test, fanout=fanout), ds.class_emb)
-    return _episode_metric("link" if _is_link(ds) else ds.task, logits, ds.y[test])
-
-
-class SFTRecipe(Recipe):
-    """Specialisation: MSE between ``pooling_lin(root)`` and the true class's text embedding."""
-
-    def __init__(self, model: nn.Module, ds: G.GraphDataset, collate: TaskCollate):
-        self.model, self.train_dataset, self.collate_fn = model, TaskItems(ds.splits["train"]), collate
-        self.class_emb = ds.class_emb
-
-    def step(self, model, batch):
-        inp, y = batch
-        loss = F.mse_loss(task_forward(model, inp, head=False), self.class_emb.to(y.device)[y])
-        return loss, {"loss": loss.detach()}
-
-
 # --------------------------------------------------------------------------- tasks
-
-
-def _is_link(ds: G.GraphDataset) -> bool:
-    return ds.name.endswith("-link")
 
 
 def _recipe_task(ds: G.GraphDataset) -> tuple[str, int, str]:
     """(SupervisedRecipe task, head outputs, selection metric) of a dataset."""
-    if _is_link(ds):
+    if is_link(ds):
         return "binary", 0, "roc_auc"  # scored by the dot product of pooled endpoints, no head
     if ds.task == "graph" and ds.num_classes == 2:
         return "binary", 1, "roc_auc"
@@ -317,7 +130,7 @@ def build_task(cfg: Config) -> TaskData:
               else f"recorded:{rest}" if prefix == "observed" else f"recorded: {ds.labels}")
     return TaskData(TaskItems(train_pos), TaskItems(ds.splits["val"], evaluation=True),
                     TaskItems(ds.splits["test"], evaluation=True), task=task, n_outputs=n_out, collate_fn=collate,
-                    forward_fn=link_forward if _is_link(ds) else task_forward, labels=labels,
+                    forward_fn=link_forward if is_link(ds) else task_forward, labels=labels,
                     info={"dataset": ds.name, "graph_task": ds.task, "classes": ds.num_classes, "metric": metric,
                           "text_encoder": ds.encoder, "train_tasks": int(train_pos.numel()),
                           **{f"{k}_tasks": int(v.numel()) for k, v in ds.splits.items() if k != "train"}},

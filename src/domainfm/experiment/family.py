@@ -10,7 +10,6 @@ the arm's model (``RUN/<arm>/model``, LoRA merged; the adapter beside it). Seeds
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import sys
 import time
@@ -23,7 +22,7 @@ from torch import nn
 
 from domainfm.engine import Recipe, Trainer
 from domainfm.experiment.config import ExperimentConfig, StageSection
-from domainfm.experiment.report import aggregate_seeds, print_table
+from domainfm.experiment.report import aggregate_seeds
 from domainfm.experiment.run_folder import RunFolder, RunFolderError
 from domainfm.experiment.task import TaskData
 from domainfm.experiment.weights import InitInfo, resolve
