@@ -1,23 +1,13 @@
 """ExPLoRA fine-tuning: image classification (top-1 / top-5) in LoRA, full or linear-probe mode,
-declared on the experiment layer.
+declared on the experiment layer; selected by validation top-1 unless ``train.monitor`` is set.
 
-The paper's fine-tuning (fMoW-RGB): LoRA rank 8 on every block (q, v of the fused qkv here),
-the head and ``fc_norm`` trained in full, global average pooling + ``fc_norm``, 120 epochs,
-base lr 1e-3, weight decay 0, drop path 0.2, label smoothing 0.1 (RandAugment m9 is not
-reproduced: it is RGB-only; flips are used). Linear probing trains only the head on frozen
-features. ``configs/explora/finetune_fmow_rgb.yaml`` / ``linear_probe_fmow_rgb.yaml`` hold these
-settings; runs are selected by validation top-1 unless ``train.monitor`` says otherwise.
-
-Weights come from :func:`domainfm.experiment.resolve`: an official ExPLoRA file or a ``backbone/``
-folder of ``domainfm pretrain explora``, through the card's ``official`` converter (``norm`` ->
-``fc_norm`` for average pooling, position table resampled; the head keeps its fresh init).
-
-The embedded default (``domainfm finetune explora``, ``configs/explora/finetune.yaml``) runs
-offline in a few minutes on the shipped Sentinel-2 scene: a short ExPLoRA extended pretraining of
-a test-sized ViT (the ``stages`` entry; from random init, as there are no DINOv2 weights offline),
-then LoRA fine-tuning on a 4-class tile task whose labels are **derived from spectral indices**,
-in two arms: ``pretrained`` (the stage's exported backbone) and ``stage_init`` (the very same
-starting weights without extended pretraining).
+The paper's settings are in ``configs/explora/finetune_fmow_rgb.yaml`` / ``linear_probe_fmow_rgb.yaml``.
+Weights (an official ExPLoRA file, or the ``backbone/`` of ``domainfm pretrain explora``) load through
+:func:`domainfm.experiment.resolve` with the card's ``official`` converter (``norm`` -> ``fc_norm``
+for average pooling). The embedded default (``configs/explora/finetune.yaml``) fine-tunes on tiles of
+the shipped Sentinel-2 scene with labels **derived from spectral indices**, after an in-process
+extended pretraining stage, in two arms: ``pretrained`` (the stage's output) and ``stage_init``
+(the same starting weights without extended pretraining).
 """
 from __future__ import annotations
 
@@ -30,6 +20,7 @@ from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, TaskData
 from domainfm.finetune import metrics as M
 from domainfm.finetune.supervised import LoraSettings, SupervisedRecipe
+from domainfm.models.explora.satmae import freeze_fixed_encodings
 
 __all__ = ["Config", "DataSection", "ClassificationRecipe", "FAMILY", "LABELS_NOTE", "build_task", "run", "evaluate"]
 
@@ -90,14 +81,16 @@ class ClassificationRecipe(SupervisedRecipe):
 
 
 class _Mapped(torch.utils.data.Dataset):
+    """``dataset[indices]`` (all of it when ``indices`` is None) with ``transform`` on the images."""
+
     def __init__(self, ds, indices, transform):
-        self.ds, self.indices, self.transform = ds, indices, transform
+        self.dataset, self.indices, self.transform = ds, range(len(ds)) if indices is None else indices, transform
 
     def __len__(self):
-        return len(self.indices) if self.indices is not None else len(self.ds)
+        return len(self.indices)
 
     def __getitem__(self, i):
-        x, y = self.ds[self.indices[i] if self.indices is not None else i]
+        x, y = self.dataset[self.indices[i]]
         return self.transform(x), y
 
 
@@ -115,7 +108,7 @@ def _sample_datasets(data: DataSection, train_tf, eval_tf):
     label = lambda tile: S.spectral_index_classes(tile, full.band_names)  # noqa: E731
     train = S.SceneTiles(scene.image, ts, transform=train_tf, labels_fn=label, keep=lambda r, c: not is_val(r, c), raw=raw)
     val = S.SceneTiles(scene.image, ts, transform=eval_tf, labels_fn=label, keep=is_val, raw=raw)
-    return train, val, list(S.INDEX_CLASSES), train.labels.tolist(), val.labels.tolist()
+    return train, val, list(S.INDEX_CLASSES)
 
 
 def _file_datasets(data: DataSection, train_tf, eval_tf, seed: int):
@@ -126,19 +119,21 @@ def _file_datasets(data: DataSection, train_tf, eval_tf, seed: int):
     kw = dict(n_bands=data.n_bands, bands=data.band_indices, stats=S.BandStats(data.mean, data.std))
     make = S.ImageFolder if data.source == "folder" else S.CsvManifest
     full = make(data.path, **kw)
-    classes = list(full.classes) if full.classes is not None else None
-    labels = [int(lbl) for _, lbl in full.samples]
     if data.val_path:
-        val_ds = make(data.val_path, **kw) if data.source == "folder" else make(data.val_path, classes=classes, **kw)
-        train_idx, val_idx, val_labels = None, None, [int(lbl) for _, lbl in val_ds.samples]
+        val_ds = make(data.val_path, **kw) if data.source == "folder" else make(data.val_path, classes=full.classes, **kw)
+        train_idx = val_idx = None
     else:
         order = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed)).tolist()
         n_val = max(1, int(round(data.val_fraction * len(full))))
         train_idx, val_idx, val_ds = order[n_val:], order[:n_val], full
-        val_labels = [labels[i] for i in val_idx]
-    train_labels = labels if train_idx is None else [labels[i] for i in train_idx]
-    classes = classes or [str(i) for i in range(max(labels) + 1)]
-    return _Mapped(full, train_idx, train_tf), _Mapped(val_ds, val_idx, eval_tf), classes, train_labels, val_labels
+    classes = list(full.classes or range(max(label for _, label in full.samples) + 1))
+    return _Mapped(full, train_idx, train_tf), _Mapped(val_ds, val_idx, eval_tf), [str(c) for c in classes]
+
+
+def _labels(ds) -> list[int]:
+    if isinstance(ds, _Mapped):
+        return [int(ds.dataset.samples[i][1]) for i in ds.indices]
+    return ds.labels.tolist()
 
 
 def build_task(cfg: Config) -> TaskData:
@@ -148,20 +143,14 @@ def build_task(cfg: Config) -> TaskData:
 
     train_tf, eval_tf = S.Resize(cfg.data.img_size, flip=True), S.Resize(cfg.data.img_size)
     if cfg.data.source == "sample":
-        train, val, classes, y_train, y_val = _sample_datasets(cfg.data, train_tf, eval_tf)
+        train, val, classes = _sample_datasets(cfg.data, train_tf, eval_tf)
     else:
-        train, val, classes, y_train, y_val = _file_datasets(cfg.data, train_tf, eval_tf, cfg.train.seed)
-    majority = int(np.bincount(y_train).argmax())
+        train, val, classes = _file_datasets(cfg.data, train_tf, eval_tf, cfg.train.seed)
+    majority = int(np.bincount(_labels(train)).argmax())
     info = {"classes": classes, "n_train": len(train), "n_val": len(val),
-            "majority_class_top1": float(np.mean(np.asarray(y_val) == majority))}
+            "majority_class_top1": float(np.mean(np.asarray(_labels(val)) == majority))}
     return TaskData(train, val, None, task="multiclass", n_outputs=len(classes), info=info,
                     labels=LABELS_NOTE if cfg.data.source == "sample" else "recorded")
-
-
-def _prepare(cfg, model, mode):
-    from domainfm.models.explora.satmae import freeze_fixed_encodings
-
-    freeze_fixed_encodings(model)  # sin-cos tables of the group-channel ViT stay fixed, also in full mode
 
 
 FAMILY = Family(
@@ -173,6 +162,6 @@ FAMILY = Family(
                                                          label_smoothing=cfg.label_smoothing),
     selection=lambda cfg, task: ("top1", "max"),
     head="head",
-    prepare=_prepare,
+    prepare=lambda cfg, model, mode: freeze_fixed_encodings(model),  # fixed sin-cos tables stay frozen
 )
 run, evaluate = FAMILY.run, FAMILY.evaluate
