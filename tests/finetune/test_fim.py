@@ -1,0 +1,103 @@
+"""FIM on the experiment layer: metrics and baselines, the ODEBench systems, ``predict fim``
+through the CLI (values for every gap, std column, PNG, errors), and a fine-tuning run on a series."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from domainfm import cli
+from domainfm.data_loaders.gapped_series import GappedSeriesError
+from domainfm.finetune.fim import ODEBENCH, interpolate_baseline, masked_metrics, simulate
+
+
+def test_masked_metrics_follow_pypots():
+    target = np.array([[1.0], [2.0], [-4.0], [3.0]])
+    pred = np.array([[1.0], [3.0], [-2.0], [9.0]])
+    mask = np.array([[False], [True], [True], [False]])
+    m = masked_metrics(pred, target, mask)
+    assert m["mae"] == pytest.approx(1.5) and m["rmse"] == pytest.approx(np.sqrt(2.5))
+    assert m["mre"] == pytest.approx(3.0 / 6.0)  # sum |p-t| m / sum |t m|
+    assert m["r2"] == pytest.approx(1 - 41.0 / 29.0)  # mean 0.5: ss_tot = 0.25 + 2.25 + 20.25 + 6.25
+
+
+def test_baselines_recover_what_they_should():
+    t = np.linspace(0, 1, 50)
+    x = np.stack([2 * t + 1, np.sin(3 * t)], axis=1)
+    obs = np.ones_like(x, dtype=bool)
+    obs[10:20] = False
+    np.testing.assert_allclose(interpolate_baseline(t, x, obs, "linear")[:, 0], x[:, 0])
+    spline = interpolate_baseline(t, x, obs, "spline")[:, 1]
+    assert np.abs(spline - x[:, 1]).max() < 1e-2 < np.abs(interpolate_baseline(t, x, obs, "linear")[:, 1] - x[:, 1]).max()
+
+
+def test_odebench_systems_simulate_and_match_their_equations():
+    assert len(ODEBENCH) == 31 and [s["id"] for s in ODEBENCH] == list(range(1, 32))
+    assert sum(s["dim"] == 1 for s in ODEBENCH) == 23
+    for system in ODEBENCH:
+        for init in system["inits"]:
+            assert len(init) == system["dim"]
+    logistic = ODEBENCH[2]  # x' = r x (1 - x/K): closed form
+    t, x = simulate(logistic["f"], logistic["consts"], logistic["inits"][0], n_points=64)
+    r, k = logistic["consts"]
+    x0 = logistic["inits"][0][0]
+    np.testing.assert_allclose(x[:, 0], k / (1 + (k / x0 - 1) * np.exp(-r * t)), rtol=1e-5)
+    osc = ODEBENCH[23]  # x'' = -c x
+    t, x = simulate(osc["f"], osc["consts"], osc["inits"][0], n_points=64)
+    w = np.sqrt(osc["consts"][0])
+    x0, v0 = osc["inits"][0]
+    np.testing.assert_allclose(x[:, 0], x0 * np.cos(w * t) + v0 / w * np.sin(w * t), atol=1e-6)
+
+
+def _gapped_csv(path, n=60):
+    t = np.arange(n) * 0.25
+    df = pd.DataFrame({"time": t, "a": np.sin(t), "b": np.cos(0.5 * t) + 2})
+    df.loc[[5, 6, 7, 30, 41], "a"] = np.nan
+    df.loc[[12, 13], "b"] = np.nan
+    df.to_csv(path, index=False)
+    return df
+
+
+def test_predict_through_cli_fills_every_gap(tmp_path):
+    df = _gapped_csv(tmp_path / "s.csv")
+    out = tmp_path / "imputed.csv"
+    assert cli.main(["predict", "fim", "--input", str(tmp_path / "s.csv"), "--output", str(out),
+                     "--model", "fim-imputation-test", "--pretrained", "none", "--window-points", "40"]) == 0
+    got = pd.read_csv(out)
+    assert list(got.columns) == ["time", "a", "a_std", "a_observed", "b", "b_std", "b_observed"]
+    assert got[["a", "b", "a_std", "b_std"]].notna().all().all() and (got[["a_std", "b_std"]] > 0).all().all()
+    assert (~got["a_observed"]).sum() == 5 and (~got["b_observed"]).sum() == 2
+    np.testing.assert_allclose(got["time"], df["time"])
+    png = (tmp_path / "imputed.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_predict_bad_input_names_file_column_row(tmp_path):
+    (tmp_path / "bad.csv").write_text("time,a\n0,1\n2,2\n1,3\n")
+    with pytest.raises(GappedSeriesError, match=r"bad.csv, column 'time', row 4: times are not sorted"):
+        cli.main(["predict", "fim", "--input", str(tmp_path / "bad.csv"), "--output", str(tmp_path / "o.csv"),
+                  "--model", "fim-imputation-test", "--pretrained", "none"])
+    t = np.arange(100.0)
+    a = np.sin(t)
+    a[30:75] = np.nan
+    pd.DataFrame({"time": t, "a": a}).to_csv(tmp_path / "holes.csv", index=False)
+    with pytest.raises(GappedSeriesError, match=r"holes.csv, column 'a': window \d+ of \d+ \(rows .* has no observed point"):
+        cli.main(["predict", "fim", "--input", str(tmp_path / "holes.csv"), "--output", str(tmp_path / "o.csv"),
+                  "--model", "fim-imputation-test", "--pretrained", "none", "--window-points", "20"])
+
+
+def test_finetune_on_a_users_series(tmp_path):
+    _gapped_csv(tmp_path / "s.csv", n=80)
+    args = ["finetune", "fim", "model.name=fim-imputation-test", "model.kwargs={}", "stages=[]", "arms=[random]",
+            "adapt.mode=full", "data.kind=series", f"data.path={tmp_path / 's.csv'}", "data.window_points=32",
+            "data.n_train=16", "train.max_steps=2", "train.batch_size=4", "train.progress=false", "train.lr=1e-3",
+            "--runs-dir", str(tmp_path / "runs"), "--name", "ft"]
+    assert cli.main(args) == 0
+    report = json.loads((tmp_path / "runs" / "fim" / "ft" / "report.json").read_text())
+    arm = report["arms"]["random"]
+    assert report["task"] == "imputation" and arm["steps"] == 2 and np.isfinite(arm["val"]["mae"])
+    gaps = arm["imputation"]["series_artificial_gaps"]
+    for method in ("fim", "linear", "spline"):
+        assert set(gaps[method]) == {"mae", "rmse", "mre", "r2"} and np.isfinite(gaps[method]["mae"])
