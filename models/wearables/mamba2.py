@@ -51,8 +51,9 @@ def ssd_scan(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     Args:
         X: inputs ``(b, l, h, p)`` (already multiplied by the step size in Mamba-2).
         A: log-decays ``(b, l, h)``, already multiplied by the step size (``<= 0`` for a stable SSM).
-        B: input projections ``(b, l, h, n)``.
-        C: output projections ``(b, l, h, n)``.
+        B: input projections ``(b, l, h, n)``, or ``(b, l, g, n)`` shared by groups of ``h / g``
+            consecutive heads (mamba_ssm's ``ngroups``; ``g = 1`` in Mamba-2's default).
+        C: output projections, shaped as ``B``.
         chunk_size: steps per chunk; the intra-chunk part costs ``O(chunk_size)`` per step.
         initial_states: state before the first step ``(b, h, p, n)``; zeros when ``None``.
 
@@ -61,16 +62,18 @@ def ssd_scan(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
         ``(b, h, p, n)`` (mamba_ssm's layout: ``h_t`` transposed).
 
     Padding appends steps with ``A = 0`` (no decay) and ``X = B = C = 0`` (no input), which leaves
-    the state unchanged, so the final state is the state after step ``l``.
+    the state unchanged, so the final state is the state after step ``l``. Every contraction is a
+    two-operand einsum (a batched matmul): a three-operand one can materialise a
+    ``(b, l, h, p, n)`` product.
     """
     if X.dim() != 4 or A.dim() != 3 or B.dim() != 4 or C.dim() != 4:
         raise ValueError(f"ssd_scan: expected X (b,l,h,p), A (b,l,h), B/C (b,l,h,n); got {tuple(X.shape)}, "
                          f"{tuple(A.shape)}, {tuple(B.shape)}, {tuple(C.shape)}")
     b, length, h, p = X.shape
-    n = B.shape[-1]
-    if A.shape != (b, length, h) or B.shape != (b, length, h, n) or C.shape != B.shape:
+    g, n = B.shape[2], B.shape[3]
+    if A.shape != (b, length, h) or B.shape[:2] != (b, length) or C.shape != B.shape or h % g:
         raise ValueError(f"ssd_scan: shapes disagree: X {tuple(X.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}, "
-                         f"C {tuple(C.shape)}")
+                         f"C {tuple(C.shape)} (B and C need (b, l, h or a divisor of h, n))")
     if chunk_size < 1:
         raise ValueError(f"ssd_scan: chunk_size={chunk_size} must be >= 1")
     if initial_states is not None and initial_states.shape != (b, h, p, n):
@@ -85,19 +88,25 @@ def ssd_scan(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
         C = F.pad(C, (0, 0, 0, 0, 0, pad))
     c = (length + pad) // T
     X = X.reshape(b, c, T, h, p)
-    B = B.reshape(b, c, T, h, n)
-    C = C.reshape(b, c, T, h, n)
+    B = B.reshape(b, c, T, g, n)
+    C = C.reshape(b, c, T, g, n)
     A = A.reshape(b, c, T, h).permute(0, 3, 1, 2)  # (b, h, c, T)
     A_cum = torch.cumsum(A, dim=-1)
+    per_group = h // g
+
+    def heads(t: torch.Tensor) -> torch.Tensor:  # (b, c, T, g, n) -> (b, c, T, h, n)
+        return t if g == h else t.repeat_interleave(per_group, dim=3)
 
     # 1. within chunks: y_i = sum_{j<=i} (C_i . B_j) exp(A_{j+1} + ... + A_i) x_j
     L = torch.exp(segsum(A))  # (b, h, c, T, T)
-    scores = torch.einsum("bcihn,bcjhn->bhcij", C, B) * L
-    Y_diag = torch.einsum("bhcij,bcjhp->bcihp", scores, X)
+    CB = torch.einsum("bcign,bcjgn->bgcij", C, B)  # once per group, not per head
+    if g != h:
+        CB = CB.repeat_interleave(per_group, dim=1)
+    Y_diag = torch.einsum("bhcij,bcjhp->bcihp", CB * L, X)
 
     # 2. the state each chunk leaves behind, from its own inputs only
-    decay_to_end = torch.exp(A_cum[..., -1:] - A_cum)  # (b, h, c, T)
-    states = torch.einsum("bcjhn,bhcj,bcjhp->bchpn", B, decay_to_end, X)
+    decay_to_end = torch.exp(A_cum[..., -1:] - A_cum).permute(0, 2, 3, 1)  # (b, c, T, h)
+    states = torch.einsum("bcjhn,bcjhp->bchpn", heads(B) * decay_to_end.unsqueeze(-1), X)
 
     # 3. across chunks: S_{k+1} = exp(sum of chunk k's A) S_k + states_k, from S_0 = initial
     if initial_states is None:
@@ -108,8 +117,8 @@ def ssd_scan(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     entering, final_state = states[:, :-1], states[:, -1]
 
     # 4. the entering state's contribution to each step: C_i . exp(A_1 + ... + A_i) S_k
-    decay_from_start = torch.exp(A_cum)  # (b, h, c, T)
-    Y_off = torch.einsum("bcihn,bchpn,bhci->bcihp", C, entering, decay_from_start)
+    decay_from_start = torch.exp(A_cum).permute(0, 2, 3, 1)  # (b, c, T, h)
+    Y_off = torch.einsum("bcihn,bchpn->bcihp", heads(C) * decay_from_start.unsqueeze(-1), entering)
 
     Y = (Y_diag + Y_off).reshape(b, c * T, h, p)[:, :length]
     return Y, final_state
@@ -121,6 +130,8 @@ def ssd_sequential(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.T
     inference path). Same shapes and state layout ``(b, h, p, n)``."""
     b, length, h, p = X.shape
     n = B.shape[-1]
+    if B.shape[2] != h:  # groups of heads share B and C
+        B, C = B.repeat_interleave(h // B.shape[2], dim=2), C.repeat_interleave(h // C.shape[2], dim=2)
     state = (torch.zeros(b, h, p, n, dtype=X.dtype, device=X.device) if initial_states is None
              else initial_states.to(X.dtype))
     ys = []
@@ -238,10 +249,8 @@ class Mamba2(nn.Module):
                                             return_final_states=return_final_states)
             y, final = out if return_final_states else (out, None)
         else:
-            Bh = B.unsqueeze(2).expand(batch, length, self.nheads, self.d_state)
-            Ch = C.unsqueeze(2).expand(batch, length, self.nheads, self.d_state)
-            y, final = ssd_scan(x * dt.unsqueeze(-1).to(x.dtype), (A * dt).to(x.dtype), Bh, Ch, self.chunk_size,
-                                initial_states=initial_states)
+            y, final = ssd_scan(x * dt.unsqueeze(-1).to(x.dtype), (A * dt).to(x.dtype), B.unsqueeze(2),
+                                C.unsqueeze(2), self.chunk_size, initial_states=initial_states)
             y = y + x * self.D.to(x.dtype)[:, None]
         y = self.norm(y.reshape(batch, length, self.d_inner), z)
         out = self.out_proj(y)

@@ -78,6 +78,15 @@ def test_ssd_scan_chunks_continue_through_final_states_and_sequential_path_agree
     torch.testing.assert_close(Ss, S, rtol=0, atol=1e-10)
 
 
+def test_ssd_scan_with_groups_of_heads_sharing_B_and_C():
+    X, A, B, C, h0 = _inputs(2, 29, 4, 3, 5, seed=11)
+    Bg, Cg = B[:, :, :2], C[:, :, :2]  # 2 groups of 2 heads
+    Y, S = ssd_scan(X, A, Bg, Cg, 8, initial_states=h0)
+    Y_ref, S_ref = _recurrence(X, A, Bg.repeat_interleave(2, 2), Cg.repeat_interleave(2, 2), h0)
+    torch.testing.assert_close(Y, Y_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(S, S_ref, rtol=0, atol=1e-10)
+
+
 def test_ssd_scan_rejects_bad_shapes():
     X, A, B, C, _ = _inputs(1, 6, 2, 3, 4, seed=0)
     with pytest.raises(ValueError, match="shapes disagree"):
