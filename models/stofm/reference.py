@@ -100,7 +100,7 @@ class RefSToFM(nn.Module):
         self.gaussian = RefGaussian(heads, k)
         self.encoder = RefEncoder(layers, dim, heads, ffn)
         if heads_for_pretraining:
-            self.lm_head = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+            self.lm_head = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, input_dim))
             self.pair_head = nn.Sequential(nn.Linear(heads, heads), nn.ReLU(), nn.Linear(heads, 1))
 
     def forward(self, token_embeddings, distances, token_types):

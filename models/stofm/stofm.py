@@ -252,7 +252,9 @@ class SToFM(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self._init_weights()
         if pretrain_heads:
-            self.lm_head = nn.Sequential(nn.Linear(embed_dim, embed_dim), nn.ReLU(), nn.Linear(embed_dim, embed_dim))
+            # officially Linear(d, d) -> ReLU -> Linear(d, d), predicting the d = 256 input embedding; the
+            # last layer maps to input_dim so that a model with d != input_dim predicts the right width
+            self.lm_head = nn.Sequential(nn.Linear(embed_dim, embed_dim), nn.ReLU(), nn.Linear(embed_dim, input_dim))
             self.pair_head = nn.Sequential(nn.Linear(n_heads, n_heads), nn.ReLU(), nn.Linear(n_heads, 1))
             for module in (self.lm_head, self.pair_head):
                 module.apply(_init_normal)
