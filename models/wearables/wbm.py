@@ -129,6 +129,11 @@ class WBM(nn.Module):
         dropout: dropout in the blocks (0).
         variables: names of the ``n_chans`` variables, in input order (recorded with the weights).
         use_fused: Mamba-2 fused-kernel policy (``"auto"``).
+        zscore_mean, zscore_std: initial values of the z-score buffers (weights loaded later
+            overwrite them: a pretrained model keeps the statistics it was trained with).
+
+    Every forward method takes ``raw=True`` to z-score ``values`` with the model's own buffers first
+    (then ``values`` are in the variables' units).
 
     **Shapes:** ``values`` and ``observed`` ``(B, T, V)`` (hours x variables, as
     :func:`~domainfm.data_loaders.wearables.to_weeks` returns them; ``observed`` is bool, and
@@ -141,7 +146,8 @@ class WBM(nn.Module):
                  n_outputs: int | None = None, *, backbone: str = "mamba2", d_model: int = 256, n_layers: int = 4,
                  proj_dim: int | None = 128, d_state: int = 64, d_conv: int = 4, expand: int = 2, headdim: int = 64,
                  chunk_size: int = 64, n_heads: int = 8, mlp_ratio: float = 4.0, dropout: float = 0.0,
-                 variables: Sequence[str] | None = None, use_fused: bool | str = "auto"):
+                 variables: Sequence[str] | None = None, use_fused: bool | str = "auto",
+                 zscore_mean: Sequence[float] | None = None, zscore_std: Sequence[float] | None = None):
         super().__init__()
         if variables is not None:
             variables = [str(v) for v in variables]
@@ -178,6 +184,9 @@ class WBM(nn.Module):
         self.register_buffer("zscore_mean", torch.zeros(n_chans))
         self.register_buffer("zscore_std", torch.ones(n_chans))
         self._init_weights()
+        if zscore_mean is not None or zscore_std is not None:
+            self.set_zscore(zscore_mean if zscore_mean is not None else [0.0] * n_chans,
+                            zscore_std if zscore_std is not None else [1.0] * n_chans)
         self.head = None
         if n_outputs is not None:
             self.reset_classifier(n_outputs)
@@ -214,7 +223,7 @@ class WBM(nn.Module):
 
     # -- backbone ------------------------------------------------------------------------------
 
-    def _check(self, values: torch.Tensor, observed: torch.Tensor | None):
+    def _check(self, values: torch.Tensor, observed: torch.Tensor | None, raw: bool = False):
         if values.dim() != 3 or values.shape[-1] != self.n_chans:
             raise ValueError(f"WBM: expected values of shape (batch, hours, n_chans={self.n_chans}), got "
                              f"{tuple(values.shape)}")
@@ -223,30 +232,32 @@ class WBM(nn.Module):
         elif observed.shape != values.shape:
             raise ValueError(f"WBM: observed {tuple(observed.shape)} must match values {tuple(values.shape)}")
         observed = observed.bool()
-        return torch.nan_to_num(values), observed
+        if raw:
+            values = (values - self.zscore_mean.to(values.dtype)) / self.zscore_std.to(values.dtype)
+        return torch.where(observed, torch.nan_to_num(values), torch.zeros_like(values)), observed
 
-    def forward_tokens(self, values: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_tokens(self, values: torch.Tensor, observed: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor:
         """Per-hour representations ``(B, T, d_model)`` after the final norm."""
-        values, observed = self._check(values, observed)
+        values, observed = self._check(values, observed, raw)
         x = self.tokenizer(values, observed)
         for layer in self.layers:
             x = layer(x)
         return self.norm(x)
 
-    def forward_features(self, values: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_features(self, values: torch.Tensor, observed: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor:
         """The embedding ``(B, d_model)``: mean of the hour tokens over hours with any observed value
         (over all hours when none is)."""
-        values, observed = self._check(values, observed)
+        values, observed = self._check(values, observed, raw)
         tokens = self.forward_tokens(values, observed)
         weight = observed.any(dim=-1).to(tokens.dtype)  # (B, T)
         weight = torch.where(weight.sum(1, keepdim=True) > 0, weight, torch.ones_like(weight))
         return (tokens * weight.unsqueeze(-1)).sum(1) / weight.sum(1, keepdim=True)
 
-    def forward_projection(self, values: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_projection(self, values: torch.Tensor, observed: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor:
         """The contrastive projection ``(B, proj_dim)`` of the embedding (not normalised)."""
         if self.projector is None:
             raise RuntimeError("this WBM was built with proj_dim=None (no projection head)")
-        return self.projector(self.forward_features(values, observed))
+        return self.projector(self.forward_features(values, observed, raw))
 
     # -- head ----------------------------------------------------------------------------------
 
@@ -267,6 +278,6 @@ class WBM(nn.Module):
         nn.init.zeros_(self.head.bias)
         self.n_outputs = n_outputs
 
-    def forward(self, values: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor:
-        features = self.forward_features(values, observed)
+    def forward(self, values: torch.Tensor, observed: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor:
+        features = self.forward_features(values, observed, raw)
         return features if self.head is None else self.forward_head(features)

@@ -211,6 +211,14 @@ def test_zscore_statistics_are_saved_with_the_weights(tmp_path):
     again = domainfm.create_model(tmp_path / "m")
     assert again.zscore() == {"variables": [f"v{i}" for i in range(8)], "mean": list(map(float, range(8))),
                               "std": list(map(float, range(1, 9)))}
+    # raw=True z-scores with the buffers; kwargs seed them, loaded weights overwrite them
+    values, observed = _week(1, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(again(values * torch.arange(1.0, 9.0) + torch.arange(8.0), observed, raw=True),
+                                   again(values, observed))
+    seeded = domainfm.create_model("wbm-test", zscore_mean=[1.0] * 8, zscore_std=[2.0] * 8)
+    assert seeded.zscore()["std"] == [2.0] * 8
+    assert domainfm.create_model(tmp_path / "m", zscore_std=[2.0] * 8).zscore()["std"] == list(map(float, range(1, 9)))
     with pytest.raises(ValueError, match="SDs positive"):
         model.set_zscore(torch.zeros(8), torch.zeros(8))
 
