@@ -271,11 +271,6 @@ def from_dict(cls: type, values: Mapping[str, Any], where: str = "") -> Any:
         raise ConfigError(f"unknown config key(s) [{named}]; {where or 'top level'} accepts {sorted(fields)}")
     kwargs = {}
     for name, value in values.items():
-        default = _section_default(fields[name])
-        if default is not None and isinstance(value, Mapping):
-            # a partial section keeps the class's own defaults for the keys it does not set (a
-            # family's LoRA targets survive `adapt: {mode: lora}`)
-            value = _merge(to_dict(default), value)
         try:
             kwargs[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
         except ConfigError as exc:
@@ -287,16 +282,10 @@ def from_dict(cls: type, values: Mapping[str, Any], where: str = "") -> Any:
             raise located from None
     try:
         return cls(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"{where or cls.__name__}: {exc}") from None
-
-
-def _section_default(f: dataclasses.Field) -> Any:
-    """The default of a dataclass-valued field (from its default factory), else None."""
-    if f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-        return value if dataclasses.is_dataclass(value) else None
-    return None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:  # a section's own checks (__post_init__) name the key
+        raise ConfigError(f"{where or cls.__name__}: {exc}" if where else str(exc)) from None
 
 
 def to_dict(obj: Any) -> Any:

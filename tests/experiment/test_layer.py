@@ -3,9 +3,6 @@ seed aggregation and the per-arm table, the run folder, and Trainer.fit returnin
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
 import torch
@@ -14,9 +11,8 @@ from torch import nn
 
 from domainfm import config as cfgmod
 from domainfm.engine import Recipe, TrainConfig, Trainer
-from domainfm.experiment import (AdaptSection, ExperimentConfig, ModelSection, ModelSpec, RunFolder, RunFolderError,
+from domainfm.experiment import (AdaptSection, ExperimentConfig, ModelSpec, RunFolder, RunFolderError,
                                  WeightsUnavailable, aggregate_seeds, format_table, resolve, to_markdown)
-from domainfm.finetune.supervised import LoraSettings
 
 KW = dict(n_chans=2, n_times=400, n_outputs=2, reconstruction_head=False)
 
@@ -63,16 +59,11 @@ def test_string_booleans_and_bad_arms_are_config_errors():
     assert ExperimentConfig(arms=["pretrained:linear_probe", "random"]).arms[0] == "pretrained:linear_probe"
 
 
-@dataclass
-class _Cfg(ExperimentConfig):
-    adapt: AdaptSection = field(default_factory=lambda: AdaptSection(lora=LoraSettings(targets=["a.*"], rank=4)))
-
-
-def test_partial_sections_keep_the_family_defaults():
-    cfg = cfgmod.from_dict(_Cfg, {"adapt": {"mode": "lora"}, "model": {"name": "cbramod-test"}})
-    assert cfg.adapt.mode == "lora" and cfg.adapt.lora.targets == ["a.*"] and cfg.adapt.lora.rank == 4
+def test_config_sections_are_strict():
     with pytest.raises(cfgmod.ConfigError, match="adapt.lora.rnak"):
-        cfgmod.from_dict(_Cfg, {"adapt": {"lora": {"rnak": 2}}})
+        cfgmod.from_dict(ExperimentConfig, {"adapt": {"lora": {"rnak": 2}}})
+    with pytest.raises(cfgmod.ConfigError, match="model.fallback"):
+        cfgmod.from_dict(ExperimentConfig, {"model": {"name": "x", "fallback": "maybe"}})
 
 
 def test_aggregate_seeds_mean_std_and_table():
