@@ -8,6 +8,11 @@
    outputs checked identical, ratio printed. Ratios are measured in alternation (median of runs).
 
 Run: ``OMP_NUM_THREADS=2 python benchmarks/fim.py [--batch-l 2] [--repeats 3]``.
+
+Measured (2 CPU cores shared with other jobs, torch 2.14, random weights, ``--batch-l 1``):
+local model B=16, T=128: 11.3 s per batch (1.4 series/s; the machine was heavily loaded);
+FIM-ℓ T=1024, 8 windows: ours 6.9 s vs the padded cost model 35.0 s -> 5.1x, max |difference|
+2.4e-7 (float32).
 """
 from __future__ import annotations
 

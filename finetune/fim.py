@@ -21,6 +21,25 @@ ODEBench-style evaluation and ``domainfm predict fim``.
   official one needs the true drift, which a real series does not have).
 
 MRE follows PyPOTS: ``sum |p - t| m / sum |t m|`` over masked entries ``m``.
+
+**Embedded default, measured** (``domainfm finetune fim``, 2 heavily shared CPU cores, 521 s; the
+in-process stage: 200 steps x 32 series, 188k parameters, train loss 0.76 -> -1.85). MAE on the
+hidden entries (R^2 over the known entries); 20% of each series hidden in contiguous gaps:
+
+==================  ================  ================  ==============  ==============
+case                FIM (this stage)  FIM (random)      linear          cubic spline
+==================  ================  ================  ==============  ==============
+CO2 (weeks, ppm)    2.34 (0.977)      5.90 (0.831)      2.16 (0.995)    3.08 (0.988)
+Lorenz              6.50 (0.479)      15.76 (-2.55)     2.01 (0.966)    0.46 (0.997)
+Van der Pol         1.44 (-0.478)     2.35 (-6.00)      0.50 (0.969)    0.22 (0.988)
+Lotka-Volterra      3.85 (-1.00)      3.34 (-3.07)      0.11 (1.000)    0.005 (1.000)
+==================  ================  ================  ==============  ==============
+
+The 59 real CO2 gaps are all filled (FIM-ℓ, 24 windows). Read plainly: a 200-step model is far
+from the published one (20.2M parameters, 2M series, 900 epochs); pretraining on the prior helps
+against random init, but on these dense, smooth trajectories interpolation still wins. The
+published weights (``model.pretrained=hf://FIM4Science/fim-imp-pointwise-base stages=[]
+model.kwargs={}``) could not be evaluated offline.
 """
 from __future__ import annotations
 
@@ -116,15 +135,19 @@ def _gap_mask(n: int, d: int, fraction: float, rng: np.random.Generator, n_gaps:
 
 # --------------------------------------------------------------------------- metrics and baselines
 
-def masked_metrics(pred: np.ndarray, target: np.ndarray, mask: np.ndarray) -> dict[str, float]:
-    """MAE, RMSE, MRE (PyPOTS: ``sum|p-t|m / sum|t m|``) on masked entries; R^2 on all entries."""
+def masked_metrics(pred: np.ndarray, target: np.ndarray, mask: np.ndarray,
+                   known: np.ndarray | None = None) -> dict[str, float]:
+    """MAE, RMSE, MRE (PyPOTS: ``sum|p-t|m / sum|t m|``) on masked entries; R^2 on the entries whose
+    truth is ``known`` (default all; a real gap has none)."""
     m = mask.astype(bool)
     err = np.abs(pred - target)
     out = {"mae": float(err[m].mean()) if m.any() else math.nan,
            "rmse": float(np.sqrt((err[m] ** 2).mean())) if m.any() else math.nan,
            "mre": float(err[m].sum() / max(np.abs(target[m]).sum(), 1e-12)) if m.any() else math.nan}
-    ss_res = ((pred - target) ** 2).sum()
-    ss_tot = ((target - target.mean(axis=0)) ** 2).sum()
+    k = np.ones_like(m) if known is None else known.astype(bool)
+    mean = np.array([target[k[:, j], j].mean() for j in range(target.shape[1])])
+    ss_res = ((pred - target) ** 2)[k].sum()
+    ss_tot = ((target - mean) ** 2)[k].sum()
     out["r2"] = float(1 - ss_res / ss_tot) if ss_tot > 0 else math.nan
     return out
 
@@ -282,12 +305,12 @@ def build_task(cfg: Config) -> TaskData:
 
 # --------------------------------------------------------------------------- protocols
 
-def _score_case(model, times, clean, observed_input, hidden, data, noisy=None) -> dict[str, dict[str, float]]:
+def _score_case(model, times, clean, observed_input, hidden, data, noisy=None, known=None) -> dict[str, dict[str, float]]:
     values = clean if noisy is None else noisy
     ours = impute_series(model, times, values, observed_input, window_points=data.window_points, overlap=data.overlap)
-    out = {"fim": masked_metrics(ours["values"], clean, hidden)}
+    out = {"fim": masked_metrics(ours["values"], clean, hidden, known)}
     for kind in ("linear", "spline"):
-        out[kind] = masked_metrics(interpolate_baseline(times, values, observed_input, kind), clean, hidden)
+        out[kind] = masked_metrics(interpolate_baseline(times, values, observed_input, kind), clean, hidden, known)
     return out
 
 
@@ -310,7 +333,8 @@ def imputation_protocol(ctx: ArmContext) -> dict[str, Any]:
         results["co2_real_gaps"] = {"missing_weeks": int((~obs).sum()),
                                     "filled_finite": int(np.isfinite(real["values"][~obs]).sum()),
                                     "fim_windows": real["windows"]}
-        results["co2_artificial_gaps"] = _score_case(model, t, np.nan_to_num(v), obs & ~hidden, hidden, data)
+        results["co2_artificial_gaps"] = _score_case(model, t, np.nan_to_num(v), obs & ~hidden, hidden, data,
+                                                     known=obs)
         for name, (fn, init, t_end) in DEMO_SYSTEMS.items():
             times, clean = simulate(fn, [], init, t_end=t_end, n_points=data.n_points)
             hidden = _gap_mask(len(times), clean.shape[1], data.gap_fraction, rng)
@@ -343,7 +367,7 @@ def imputation_protocol(ctx: ArmContext) -> dict[str, Any]:
     series = ctx.task.extras["series"][0]
     hidden = _gap_mask(len(series.times), len(series.channels), data.gap_fraction, rng) & series.observed
     results["series_artificial_gaps"] = _score_case(model, series.times, np.nan_to_num(series.values),
-                                                    series.observed & ~hidden, hidden, data)
+                                                    series.observed & ~hidden, hidden, data, known=series.observed)
     try:  # PyPOTS SAITS on the target series, only when installed
         import pypots  # noqa: F401
 

@@ -21,6 +21,9 @@ def test_masked_metrics_follow_pypots():
     assert m["mae"] == pytest.approx(1.5) and m["rmse"] == pytest.approx(np.sqrt(2.5))
     assert m["mre"] == pytest.approx(3.0 / 6.0)  # sum |p-t| m / sum |t m|
     assert m["r2"] == pytest.approx(1 - 41.0 / 29.0)  # mean 0.5: ss_tot = 0.25 + 2.25 + 20.25 + 6.25
+    # R^2 only where the truth is known (a real gap's 0 placeholder must not count)
+    known = np.array([[True], [True], [True], [False]])
+    assert masked_metrics(pred, target, mask, known)["r2"] == pytest.approx(1 - 5.0 / (1 / 9 + 16 / 9 + 169 / 9))
 
 
 def test_baselines_recover_what_they_should():
