@@ -169,8 +169,10 @@ class Family:
         if init_kind == "pretrained" and source is None:
             init = dataclasses.replace(init, reason="model.pretrained is null and there is no stage")
         elif stage_reports and init_kind != "random" and cfg.model.pretrained is None:
+            started = stage_reports[-1].get("init")  # what the stage itself started from (e.g. random)
             init = dataclasses.replace(init, reason=f"{'output' if init_kind == 'pretrained' else 'start'} of the "
-                                                    f"in-process {cfg.stages[-1].kind} stage")
+                                                    f"in-process {cfg.stages[-1].kind} stage"
+                                                    + (f", which started from {started}" if started else ""))
         result: dict[str, Any] = {"init": str(init), "mode": mode, "seed": seed}
         ctx = ArmContext(cfg, arm, seed, model, task, arm_dir, init, mode, results=result)
         if self.protocols_before:
