@@ -181,12 +181,8 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         val = fixed_windows(SyntheticWindows(held_out, [], num_windows=d.val_windows, **common), d.val_windows, d.seed + 1)
     trainer = Trainer(cfg.train, run_dir=run_dir)
     result = trainer.fit(ForecastRecipe(model, train, val))
-    best = run_dir / "checkpoints" / "best.safetensors"
-    if best.is_file():
-        from safetensors.torch import load_model
-
-        load_model(model, str(best))
-    save_pretrained(model, run_dir / "model")
+    model = result.model  # at its best checkpoint
+    saved = str(save_pretrained(model, run_dir / "model"))
     report = {
         "model": getattr(model, "domainfm_name", cfg.model.name),
         "init": f"pretrained: {cfg.model.init}" if cfg.model.init else "random",
@@ -195,7 +191,8 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "kernel_synth_series": d.kernel_synth_series,
         "kernel_synth_series_per_s": round(d.kernel_synth_series / max(synth_seconds, 1e-9), 1),
         "extra_series": len(extra),
-        "model_dir": str(run_dir / "model"),
+        "model_dir": saved,
+        "saved_model": saved,  # what the experiment layer takes from a stage
     }
     train_losses = [r["loss"] for r in result.history if r.get("split") == "train"]
     if train_losses:
