@@ -5,7 +5,8 @@ here in plain numpy and checked against hand computations in
 ``tests/finetune/test_metrics.py``.
 
 :func:`mase`, :func:`quantile_loss`, :func:`wql`, :func:`seasonality`,
-:func:`seasonal_naive_forecast`, :func:`geometric_mean`.
+:func:`seasonal_naive_forecast`, :func:`geometric_mean`, and :func:`forecast_scores` (the Chronos
+benchmark protocol over held-out windows: per dataset and geometric mean relative to seasonal naive).
 
 Errors. Inputs that make a metric meaningless raise ``ValueError`` naming the argument and
 what was expected: mismatched shapes, empty inputs, NaN (except NaN as a missing value in
@@ -29,6 +30,7 @@ __all__ = [
     "seasonality",
     "seasonal_naive_forecast",
     "geometric_mean",
+    "forecast_scores",
 ]
 
 
@@ -304,3 +306,41 @@ def geometric_mean(values: ArrayLike) -> float:
     if np.any(v <= 0):
         raise ValueError(f"values: the geometric mean needs positive values, got {v[v <= 0][0]!r}")
     return float(np.exp(np.mean(np.log(v))))
+
+
+def forecast_scores(windows: list[dict[str, Any]], samples: np.ndarray | None, quantile_levels) -> dict[str, float]:
+    """MASE and WQL per dataset for model and seasonal naive, and their geometric means relative
+    to seasonal naive across datasets.
+
+    Args:
+        windows: held-out windows (``context``, ``future``, ``freq``, optional ``dataset``).
+        samples: (N, S, H) forecast samples; ``None`` scores only the seasonal-naive baseline
+            (then there is no model score and no relative score).
+    """
+    levels = [float(q) for q in quantile_levels]
+    by_dataset: dict[str, list[int]] = {}
+    for i, w in enumerate(windows):
+        by_dataset.setdefault(w.get("dataset", "series"), []).append(i)
+    out: dict[str, float] = {}
+    rel_mase, rel_wql = [], []
+    for name, idx in by_dataset.items():
+        freqs = {windows[i]["freq"] for i in idx}
+        if len(freqs) > 1:
+            raise ValueError(f"dataset {name!r} mixes frequencies {sorted(freqs)}")
+        season = seasonality(freqs.pop())
+        insample = [np.asarray(windows[i]["context"], dtype=np.float64) for i in idx]
+        future = np.stack([np.asarray(windows[i]["future"], dtype=np.float64) for i in idx])
+        naive = seasonal_naive_forecast(insample, future.shape[1], season)
+        out[f"{name}.naive_mase"] = mase(future, naive, insample, season)
+        out[f"{name}.naive_wql"] = wql(future, np.repeat(naive[..., None], len(levels), -1), levels)
+        if samples is not None:
+            s = np.asarray(samples, dtype=np.float64)[idx]
+            quantiles = np.moveaxis(np.quantile(s, levels, axis=1), 0, -1)  # (n, H, Q)
+            out[f"{name}.mase"] = mase(future, np.median(s, axis=1), insample, season)
+            out[f"{name}.wql"] = wql(future, quantiles, levels)
+            rel_mase.append(out[f"{name}.mase"] / out[f"{name}.naive_mase"])
+            rel_wql.append(out[f"{name}.wql"] / out[f"{name}.naive_wql"])
+    if samples is not None:  # geometric mean over datasets of model / seasonal naive
+        out["mase_rel"], out["wql_rel"] = geometric_mean(rel_mase), geometric_mean(rel_wql)
+    out["n_datasets"] = float(len(by_dataset))
+    return out

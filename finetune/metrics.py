@@ -35,6 +35,7 @@ import scipy.stats
 from sklearn import metrics as skm
 
 from domainfm.finetune.forecast_metrics import (
+    forecast_scores,
     geometric_mean,
     mase,
     quantile_loss,
@@ -56,6 +57,7 @@ __all__ = [
     "rmse",
     "r2",
     "pearson_r",
+    "forecast_scores",
     "mase",
     "quantile_loss",
     "wql",

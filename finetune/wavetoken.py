@@ -32,12 +32,12 @@ import torch
 from domainfm.atomic import atomic_write_text
 from domainfm.engine import Trainer
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, RunFolder, TaskData
-from domainfm.finetune import forecast_metrics as M
+from domainfm.finetune.forecast_metrics import forecast_scores
 from domainfm.finetune.supervised import LoraSettings
 from domainfm.pretrain.wavetoken import ForecastRecipe
 
 __all__ = ["Config", "DataSection", "EvalSection", "FAMILY", "ForecastEvalRecipe", "HeldOutWindows", "build_task",
-           "forecast_scores", "run", "evaluate", "predict"]
+           "run", "evaluate", "predict"]
 
 
 @dataclass
@@ -75,44 +75,6 @@ class Config(ExperimentConfig):
 
 
 # --------------------------------------------------------------------------- scores
-
-
-def forecast_scores(windows: list[dict[str, Any]], samples: np.ndarray | None, quantile_levels) -> dict[str, float]:
-    """MASE and WQL per dataset for model and seasonal naive, and their geometric means relative
-    to seasonal naive across datasets.
-
-    Args:
-        windows: held-out windows (``context``, ``future``, ``freq``, optional ``dataset``).
-        samples: (N, S, H) forecast samples; ``None`` scores only the seasonal-naive baseline
-            (then there is no model score and no relative score).
-    """
-    levels = [float(q) for q in quantile_levels]
-    by_dataset: dict[str, list[int]] = {}
-    for i, w in enumerate(windows):
-        by_dataset.setdefault(w.get("dataset", "series"), []).append(i)
-    out: dict[str, float] = {}
-    rel_mase, rel_wql = [], []
-    for name, idx in by_dataset.items():
-        freqs = {windows[i]["freq"] for i in idx}
-        if len(freqs) > 1:
-            raise ValueError(f"dataset {name!r} mixes frequencies {sorted(freqs)}")
-        season = M.seasonality(freqs.pop())
-        insample = [np.asarray(windows[i]["context"], dtype=np.float64) for i in idx]
-        future = np.stack([np.asarray(windows[i]["future"], dtype=np.float64) for i in idx])
-        naive = M.seasonal_naive_forecast(insample, future.shape[1], season)
-        out[f"{name}.naive_mase"] = M.mase(future, naive, insample, season)
-        out[f"{name}.naive_wql"] = M.wql(future, np.repeat(naive[..., None], len(levels), -1), levels)
-        if samples is not None:
-            s = np.asarray(samples, dtype=np.float64)[idx]
-            quantiles = np.moveaxis(np.quantile(s, levels, axis=1), 0, -1)  # (n, H, Q)
-            out[f"{name}.mase"] = M.mase(future, np.median(s, axis=1), insample, season)
-            out[f"{name}.wql"] = M.wql(future, quantiles, levels)
-            rel_mase.append(out[f"{name}.mase"] / out[f"{name}.naive_mase"])
-            rel_wql.append(out[f"{name}.wql"] / out[f"{name}.naive_wql"])
-    if samples is not None:  # geometric mean over datasets of model / seasonal naive
-        out["mase_rel"], out["wql_rel"] = M.geometric_mean(rel_mase), M.geometric_mean(rel_wql)
-    out["n_datasets"] = float(len(by_dataset))
-    return out
 
 
 # --------------------------------------------------------------------------- data + recipe

@@ -11,7 +11,7 @@ from torch import nn
 
 from domainfm import config as cfgmod
 from domainfm.engine import Recipe, TrainConfig, Trainer
-from domainfm.experiment import (AdaptSection, ExperimentConfig, ModelSpec, RunFolder, RunFolderError,
+from domainfm.experiment import (AdaptSection, ExperimentConfig, ModelSection, ModelSpec, StageSection, RunFolder, RunFolderError,
                                  WeightsUnavailable, aggregate_seeds, format_table, resolve, to_markdown)
 
 KW = dict(n_chans=2, n_times=400, n_outputs=2, reconstruction_head=False)
@@ -52,6 +52,8 @@ def test_string_booleans_and_bad_arms_are_config_errors():
         ExperimentConfig(arms=["pretrained", "scratch"])
     with pytest.raises(ValueError, match="needs a stage"):
         ExperimentConfig(arms=["stage_init"])
+    with pytest.raises(ValueError, match="stages=\[\]"):
+        ExperimentConfig(model=ModelSection(name="x", pretrained=True), stages=[StageSection("cbramod")])
     with pytest.raises(ValueError, match="twice"):
         ExperimentConfig(arms=["random", "random"])
     with pytest.raises(ValueError, match="adapt.mode"):

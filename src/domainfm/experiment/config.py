@@ -88,5 +88,10 @@ class ExperimentConfig:
                 raise ValueError(f"arms: {arm!r} has mode {mode!r}; expected one of {ADAPT_MODES}")
             if init == "stage_init" and not self.stages:
                 raise ValueError(f"arms: {arm!r} needs a stage (stages: [...]) whose starting weights it uses")
+        if self.stages and self.model.pretrained not in (None, False) and not any(
+                a.startswith("stage_init") for a in self.arms):
+            raise ValueError(
+                f"model.pretrained={self.model.pretrained!r} and stages are both set: the pretrained arm would start "
+                "from model.pretrained and the stage's output would be unused; pass stages=[] (or model.pretrained=null)")
         if len(set(self.arms)) != len(self.arms):
             raise ValueError(f"arms: {self.arms} names an arm twice")
