@@ -33,7 +33,7 @@ def _time(fn, repeat: int = 3) -> float:
     return best
 
 
-def bench_scan(lengths=(168, 8760), batch=2, heads=8, headdim=64, d_state=64, chunk=64) -> list[dict]:
+def bench_scan(lengths=(168, 8760), batch=1, heads=8, headdim=64, d_state=64, chunk=64) -> list[dict]:
     """Chunked SSD scan vs the step-by-step recurrence (float32, wbm-base's mixer sizes)."""
     from domainfm.models.wearables.mamba2 import ssd_scan, ssd_sequential
 
@@ -53,7 +53,7 @@ def bench_scan(lengths=(168, 8760), batch=2, heads=8, headdim=64, d_state=64, ch
     return rows
 
 
-def bench_models(lengths=(168, 1752, 8760), batch=2) -> list[dict]:
+def bench_models(lengths=(168, 1752, 8760), batch=1) -> list[dict]:
     """Forward (inference) time of wbm-base (Mamba-2) and wbm-transformer-base at each length."""
     import domainfm
 
@@ -66,7 +66,7 @@ def bench_models(lengths=(168, 1752, 8760), batch=2) -> list[dict]:
         row = {"hours": length}
         for name, model in models.items():
             with torch.no_grad():
-                row[f"{name}_s"] = round(_time(lambda m=model: m(values, observed), repeat=2), 4)
+                row[f"{name}_s"] = round(_time(lambda m=model: m(values, observed), repeat=3 if length <= 168 else 1), 4)
         row["transformer/mamba"] = round(row["wbm-transformer-base_s"] / row["wbm-base_s"], 2)
         rows.append(row)
     base = rows[0]
