@@ -517,7 +517,11 @@ def encode_cells(tokens: TokenizedCells, encoder: torch.nn.Module, *, batch_size
         width = int(tokens.lengths[rows].max())
         ids = torch.from_numpy(tokens.input_ids[rows, :width].astype(np.int64)).to(device)
         mask = (torch.arange(width, device=device)[None] < torch.from_numpy(tokens.lengths[rows]).to(device)[:, None])
-        emb = encoder(ids, mask.long()).float().cpu().numpy()
+        if hasattr(encoder, "pool"):  # a CellEncoder: its embedding even when it carries a classifier head
+            emb = encoder.pool(encoder.forward_features(ids, mask.long()))
+        else:
+            emb = encoder(ids, mask.long())
+        emb = emb.float().cpu().numpy()
         if out is None:
             out = np.zeros((len(order), emb.shape[1]), dtype=np.float32)
         out[rows] = emb

@@ -61,6 +61,9 @@ class CellEncoderSection:
     pretrained: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 32
+    #: seed of a randomly initialised encoder, so that a pretraining stage and the fine-tuning
+    #: that follows it see the same cell embeddings
+    seed: int = 0
 
 
 @dataclass
@@ -239,7 +242,9 @@ def build_cell_encoder(section: CellEncoderSection):
     from domainfm.models.stofm import load_official_cell_encoder
 
     if not section.pretrained:
-        return create_model(section.name, **section.kwargs)
+        with torch.random.fork_rng():
+            torch.manual_seed(section.seed)
+            return create_model(section.name, **section.kwargs)
     path = Path(section.pretrained).expanduser()
     if (path / "cell_bert").is_dir():
         return load_official_cell_encoder(path, name=section.name, **section.kwargs)

@@ -154,7 +154,7 @@ class CellEncoder(nn.Module):
                  num_attention_heads: int = 4, intermediate_size: int = 512, max_position_embeddings: int = 2048,
                  type_vocab_size: int = 2, layer_norm_eps: float = 1e-12, hidden_act: str = "relu",
                  hidden_dropout_prob: float = 0.02, attention_probs_dropout_prob: float = 0.02,
-                 pad_token_id: int = 0, proj_dim: int = 256):
+                 pad_token_id: int = 0, proj_dim: int = 256, n_outputs: int | None = None):
         super().__init__()
         self.config = {
             "vocab_size": vocab_size, "hidden_size": hidden_size, "num_hidden_layers": num_hidden_layers,
@@ -169,16 +169,34 @@ class CellEncoder(nn.Module):
                                  hidden_dropout_prob, attention_probs_dropout_prob, pad_token_id)
         self.proj = nn.Linear(hidden_size, proj_dim)
         self.apply(_init_bert)
+        self.head = None
+        self.n_outputs = None
+        if n_outputs is not None:
+            self.reset_classifier(n_outputs)
 
     def forward_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, n_tokens), got {tuple(input_ids.shape)}")
         return self.bert(input_ids.long(), attention_mask)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Unit-norm cell embeddings ``(B, proj_dim)``."""
-        hidden = self.forward_features(input_ids, attention_mask)
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """SToFM's pooler: ``[CLS]`` hidden state -> ``proj`` -> L2 normalisation."""
         return F.normalize(self.proj(hidden[:, 0]), dim=-1)
+
+    def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Hidden states -> the unit-norm cell embedding (``pre_logits`` or no head), or the logits
+        of a cell-level classifier ``head`` on it."""
+        pooled = self.pool(features)
+        return pooled if pre_logits or self.head is None else self.head(pooled)
+
+    def reset_classifier(self, n_outputs: int) -> None:
+        self.head = nn.Linear(self.num_features, n_outputs)
+        _init_bert(self.head)
+        self.n_outputs = n_outputs
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Unit-norm cell embeddings ``(B, proj_dim)`` (logits ``(B, n_outputs)`` with a head)."""
+        return self.forward_head(self.forward_features(input_ids, attention_mask))
 
 
 def _init_bert(module: nn.Module) -> None:

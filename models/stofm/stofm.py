@@ -50,7 +50,7 @@ MASK_VALUE = -100.0
 # distinct distance values evaluated per chunk: [chunk, K] floats stay small (32 MB at K=128)
 _BASIS_CHUNK = 65536
 # query rows per softmax chunk in inference
-_ROW_CHUNK = 128
+_ROW_CHUNK = 256
 
 
 class GaussianDistanceBias(nn.Module):
@@ -316,10 +316,9 @@ class SToFM(nn.Module):
         return features, lm, self.pair_head(pair).squeeze(-1)
 
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if pre_logits:
+        # without a head (n_outputs=None) the head is the identity, as timm's num_classes=0
+        if pre_logits or self.head is None:
             return features
-        if self.head is None:
-            raise RuntimeError("this SToFM has no classifier head (n_outputs=None); call reset_classifier(n)")
         return self.head(features)
 
     def reset_classifier(self, n_outputs: int) -> None:

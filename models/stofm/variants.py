@@ -123,6 +123,7 @@ def _cell_example_input():
     input_spec=_CELL_SPEC,
     defaults={"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4, "intermediate_size": 512},
     converters={"official": convert_official_cell_encoder},
+    head="head",
 )
 def stofm_cell_encoder(**kwargs) -> CellEncoder:
     """SToFM cell encoder: Geneformer-style BERT (assumed 6L/256/4 heads; the checkpoint's config wins) + Linear->L2 pooler."""
@@ -138,6 +139,7 @@ def stofm_cell_encoder(**kwargs) -> CellEncoder:
     defaults={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
               "max_position_embeddings": 2048},
     converters={"official": convert_official_cell_encoder},
+    head="head",
     tags=("test",),
     example_input=_cell_example_input,
 )
