@@ -5,14 +5,15 @@ One sub-slice at the released shape (d=256, 12 layers, 32 heads, FFN 256, 128 ke
 ``data_loaders.spatial.build_subslices`` from a uniform random slice. The official side is
 ``domainfm.models.stofm.reference.RefSToFM``: the official forward restated op for op
 (Gaussian basis on the full ``[B, N, N, 128]`` tensor, logits passed layer to layer), loaded with
-the same weights. Each side runs in its own process: wall time of an eval forward
-(``torch.no_grad``, the two sides alternated, best of ``--repeats``: the machine is shared, so
-the minimum is the least disturbed run) and, each side in its own process after a warm-up
-forward, peak resident memory above the pre-forward level (Linux: VmHWM reset through
-``/proc/self/clear_refs``; on CUDA: ``max_memory_allocated``).
+the same weights. Timing: an eval forward (``torch.no_grad``), the two sides alternated in one
+process, best of ``--repeats`` (the machine is shared: the minimum is the least disturbed run;
+run with ``OMP_NUM_THREADS=1`` there, since under contention a parallel region waits for a
+descheduled thread). Memory: each side in its own process, after a warm-up forward, the peak
+resident memory above the pre-forward level (Linux: VmHWM reset through ``/proc/self/clear_refs``;
+on CUDA: ``max_memory_allocated``).
 The outputs of the two are compared (max abs difference on the real tokens).
 
-    python benchmarks/stofm.py [--tokens 1100] [--repeats 2] [--device cpu|cuda]
+    OMP_NUM_THREADS=1 python benchmarks/stofm.py [--tokens 1100] [--repeats 3] [--device cpu|cuda]
 """
 from __future__ import annotations
 
