@@ -54,6 +54,7 @@ def test_embed_keeps_obs_order(tissue):
 
 
 def test_embed_at_the_released_width(tissue):
+    pytest.importorskip("igraph")  # Leiden (macro scale) needs python-igraph
     adata = tissue[:60].copy()
     model = domainfm.create_model("stofm-base", n_outputs=None, n_layers=1)
     adata.obsm["X_ce"] = np.random.default_rng(0).normal(size=(60, 256)).astype(np.float32)
