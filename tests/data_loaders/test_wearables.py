@@ -316,3 +316,70 @@ def test_to_weeks_shapes_zscore_and_mask():
     # stats from a model apply unchanged
     again = W.to_weeks(table, stats=weeks.stats)
     np.testing.assert_array_equal(again.values, values)
+
+
+def test_fast_engine_equals_expat_on_tricky_exports(tmp_path):
+    """The regex fast path against expat (the reference engine) on an export with every form a
+    Record tag may take: character references and the five entities in attribute values, other
+    attribute orders, single quotes, extra spaces and line breaks inside a tag, children, other
+    elements, unwanted types, and enough records to cut tags at chunk boundaries."""
+    import domainfm.data_loaders.wearables as module
+
+    rng = np.random.default_rng(1)
+    lines = [' <Workout workoutActivityType="HKWorkoutActivityTypeRunning" duration="30" '
+             'startDate="2024-01-01 06:00:00 +0000" endDate="2024-01-01 06:30:00 +0000"/>\n',
+             ' <ActivitySummary dateComponents="2024-01-01" activeEnergyBurned="400"/>\n']
+    for i in range(400):
+        s = pd.Timestamp("2024-01-01") + pd.Timedelta(minutes=int(rng.integers(0, 6000)))
+        e = s + pd.Timedelta(minutes=int(rng.integers(0, 120)))
+        off = ["+0000", "+0100", "-0500"][i % 3]
+        sd, ed = s.strftime("%Y-%m-%d %H:%M:%S ") + off, e.strftime("%Y-%m-%d %H:%M:%S ") + off
+        form = i % 6
+        src = ["Watch", "iPhone", "Jo&apos;s &amp; &#x41;pp", "&#87;atch"][i % 4]  # &#87; is 'W': the same source
+        if form == 0:
+            lines.append(rec("StepCount", sd, ed, int(rng.integers(0, 900)), source=src))
+        elif form == 1:  # another attribute order, single quotes, a line break inside the tag
+            lines.append(f" <Record value='{rng.integers(40, 160)}' unit=\"count/min\"\n   "
+                         f"startDate='{sd}' endDate=\"{ed}\" sourceName='{src}' "
+                         f"type=\"HKQuantityTypeIdentifierHeartRate\" ></Record>\n")
+        elif form == 2:  # a value written with character references, children
+            lines.append(rec("DistanceWalkingRunning", sd, ed, "&#49;.&#x35;", unit="mi", source=src,
+                             children='<MetadataEntry key="k" value="a &lt; b"/>'))
+        elif form == 3:
+            stage = ["AsleepCore", "InBed", "Awake", "AsleepREM"][i % 4]
+            lines.append(rec("HKCategoryTypeIdentifierSleepAnalysis", sd, ed, "HKCategoryValueSleepAnalysis" + stage,
+                             unit=None, source=src))
+        elif form == 4:  # a type not read, and the canonical form with the optional attributes
+            lines.append(rec("DietaryWater", sd, ed, 250, unit="mL", source=src))
+            lines.append(f' <Record type="HKQuantityTypeIdentifierActiveEnergyBurned" sourceName="{src}" '
+                         f'sourceVersion="10.1" device="&lt;&lt;HKDevice: 0x1&gt;, name:Apple Watch&gt;" unit="kJ" '
+                         f'creationDate="{ed}" startDate="{sd}" endDate="{ed}" value="{rng.uniform(0, 40):.3f}"/>\n')
+        else:
+            lines.append(rec("OxygenSaturation", sd, sd, round(float(rng.uniform(0.9, 1.0)), 3), unit="%",
+                             source=src))
+    path = export(tmp_path, *lines)
+    reference, ref_stats = W.read_healthkit(path, engine="expat", return_stats=True)
+    original = module._CHUNK
+    try:
+        for chunk in (original, 1000, 173):  # small chunks: tags cut at many boundaries
+            module._CHUNK = chunk
+            fast, stats = W.read_healthkit(path, return_stats=True, batch_size=50)
+            assert stats["engine"] == "fast" and stats["records"] == ref_stats["records"] == 466
+            assert stats["used"] == ref_stats["used"]
+            pd.testing.assert_frame_equal(fast, reference, check_exact=False, rtol=1e-12)
+    finally:
+        module._CHUNK = original
+    one = export(tmp_path, rec("DistanceWalkingRunning", "2024-01-01 10:00:00 +0000", "2024-01-01 10:10:00 +0000",
+                               "&#49;.&#x35;", unit="mi", source="A &amp; B"), name="one.xml")
+    assert W.read_healthkit(one)["distance_km"].iloc[0] == pytest.approx(1.5 * 1.609344)  # '1.5' miles
+    assert np.isfinite(reference[["steps", "heart_rate", "sleep_min", "spo2", "active_kcal"]]).any().all()
+    # a comment in the body is valid XML the fast path does not read itself: expat reads the file
+    commented = export(tmp_path, "<!-- a comment -->\n", *lines, name="commented.xml")
+    table, stats = W.read_healthkit(commented, return_stats=True)
+    assert stats["engine"] == "expat"
+    pd.testing.assert_frame_equal(table, reference)
+    # an entity declaration in the body is refused by the fast path itself
+    declared = export(tmp_path, *lines[:50], '<!ENTITY x SYSTEM "file:///etc/passwd">\n', *lines[50:],
+                      name="declared.xml")
+    with pytest.raises(W.HealthDataError, match="entity 'x'"):
+        W.read_healthkit(declared)
