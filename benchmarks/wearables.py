@@ -2,12 +2,13 @@
 of hours against the Transformer backbone and a sequential recurrence, and the Apple Health
 reader's throughput and peak memory on generated exports of two sizes.
 
-    python benchmarks/wearables.py                  # everything, ~200 MB export
-    python benchmarks/wearables.py --export-mb 1000 # the issue's 1 GB export
+    python benchmarks/wearables.py                  # everything; exports of 200 MB and 1 GB
+    python benchmarks/wearables.py --skip-models --export-mb 200 --engines fast expat
     python benchmarks/wearables.py --skip-parser    # model figures only
 
 Exports are generated in a temporary folder at run time (never committed) and deleted after.
-Peak memory is each parse's maximum resident set size, measured in a fresh subprocess.
+Peak memory is each parse's maximum resident set size in a fresh subprocess, reported as the
+increment over that process after its imports (parser_rss_mb) and in total.
 """
 from __future__ import annotations
 
@@ -151,35 +152,48 @@ def generate_export(path: Path, megabytes: float) -> int:
 
 _PARSE = """
 import json, resource, sys, time
-from domainfm.data_loaders.wearables import read_healthkit
-start = time.perf_counter()
-table, stats = read_healthkit(sys.argv[1], return_stats=True)
-elapsed = time.perf_counter() - start
+from domainfm.data_loaders.wearables import read_healthkit  # imports the package (and torch)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+start, cpu = time.perf_counter(), time.process_time()
+table, stats = read_healthkit(sys.argv[1], return_stats=True, engine=sys.argv[2])
+elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({**stats, "seconds": elapsed, "peak_rss_mb": rss, "hours": len(table)}))
+print(json.dumps({**stats, "seconds": elapsed, "cpu_seconds": cpu, "peak_rss_mb": rss, "import_rss_mb": base,
+                  "hours": len(table)}))
 """
 
 
-def bench_parser(megabytes: float) -> list[dict]:
+def bench_parser(sizes_mb, engines=("fast",), folder: str | None = None) -> list[dict]:
+    """Each engine on a generated export of each size, each parse in a fresh subprocess: wall and CPU
+    records/s, and peak RSS as the increment over the process after its imports (torch included)."""
     rows = []
-    with tempfile.TemporaryDirectory(prefix="wbm_export_") as tmp:
-        for size in (megabytes / 10, megabytes):
+    with tempfile.TemporaryDirectory(prefix="wbm_export_", dir=folder) as tmp:
+        for size in sizes_mb:
             path = Path(tmp) / f"export_{int(size)}mb.xml"
             generate_export(path, size)
-            out = subprocess.run([sys.executable, "-c", _PARSE, str(path)], check=True, capture_output=True, text=True)
-            stats = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append({"file_mb": round(stats["bytes"] / 1e6, 1), "records": stats["records"],
-                         "seconds": round(stats["seconds"], 2),
-                         "records_per_s": int(stats["records"] / stats["seconds"]),
-                         "mb_per_s": round(stats["bytes"] / 1e6 / stats["seconds"], 1),
-                         "peak_rss_mb": round(stats["peak_rss_mb"], 1), "hours": stats["hours"]})
+            for engine in engines:
+                out = subprocess.run([sys.executable, "-c", _PARSE, str(path), engine], check=True,
+                                     capture_output=True, text=True)
+                stats = json.loads(out.stdout.strip().splitlines()[-1])
+                rows.append({"engine": stats["engine"], "file_mb": round(stats["bytes"] / 1e6, 1),
+                             "records": stats["records"], "seconds": round(stats["seconds"], 2),
+                             "cpu_seconds": round(stats["cpu_seconds"], 2),
+                             "records_per_s": int(stats["records"] / stats["seconds"]),
+                             "records_per_cpu_s": int(stats["records"] / stats["cpu_seconds"]),
+                             "mb_per_s": round(stats["bytes"] / 1e6 / stats["seconds"], 1),
+                             "parser_rss_mb": round(stats["peak_rss_mb"] - stats["import_rss_mb"], 1),
+                             "peak_rss_mb": round(stats["peak_rss_mb"], 1), "hours": stats["hours"]})
+                print("read_healthkit", rows[-1], flush=True)
             path.unlink()
     return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--export-mb", type=float, default=200.0)
+    parser.add_argument("--export-mb", type=float, nargs="+", default=[200.0, 1000.0],
+                        help="sizes of the generated exports (default: 200 MB and 1 GB)")
+    parser.add_argument("--engines", nargs="+", default=["fast"], help="read_healthkit engines: fast, expat")
+    parser.add_argument("--tmp", default=None, help="folder for the generated exports (default: the system's)")
     parser.add_argument("--skip-parser", action="store_true")
     parser.add_argument("--skip-models", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
@@ -197,9 +211,7 @@ def main(argv=None) -> int:
         for row in results["models"]:
             print("model", row)
     if not args.skip_parser:
-        results["read_healthkit"] = bench_parser(args.export_mb)
-        for row in results["read_healthkit"]:
-            print("read_healthkit", row)
+        results["read_healthkit"] = bench_parser(args.export_mb, args.engines, args.tmp)
     print(json.dumps(results))
     return 0
 
