@@ -52,7 +52,7 @@ def test_string_booleans_and_bad_arms_are_config_errors():
         ExperimentConfig(arms=["pretrained", "scratch"])
     with pytest.raises(ValueError, match="needs a stage"):
         ExperimentConfig(arms=["stage_init"])
-    with pytest.raises(ValueError, match="stages=\[\]"):
+    with pytest.raises(ValueError, match=r"stages=\[\]"):
         ExperimentConfig(model=ModelSection(name="x", pretrained=True), stages=[StageSection("cbramod")])
     with pytest.raises(ValueError, match="twice"):
         ExperimentConfig(arms=["random", "random"])
