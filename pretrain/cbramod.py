@@ -223,16 +223,11 @@ def run(cfg: Config, run_dir: Path) -> dict:
 
 
 def evaluate(cfg: Config, run_dir: Path) -> dict:
-    """Masked-reconstruction loss of ``run_dir``'s best checkpoint on the configured data."""
-    from safetensors.torch import load_file
-
+    """Masked-reconstruction loss of ``run_dir``'s selected model (``RUN/model``) on the configured data."""
     from domainfm import create_model
 
     train_ds, val_ds, _ = build_datasets(dataclasses.replace(cfg.data, preprocess_to=None), seed=cfg.train.seed)
     dataset = val_ds if val_ds is not None else train_ds
-    n_chans, n_times = _window_shape(dataset)
-    model = create_model(cfg.model.name, **{**cfg.model.kwargs, "n_chans": n_chans, "n_times": n_times,
-                                            "n_outputs": None, "reconstruction_head": True})
-    model.load_state_dict(load_file(str(Path(run_dir) / "checkpoints" / "best.safetensors")))
+    model = create_model(Path(run_dir) / "model")
     trainer = Trainer(dataclasses.replace(cfg.train, progress=False), run_dir=None)
     return trainer.evaluate(MaskedReconstructionRecipe(model, None, dataset, mask_ratio=cfg.mask_ratio), dataset)
