@@ -37,8 +37,9 @@ def test_baselines_recover_what_they_should():
 
 
 def test_odebench_systems_simulate_and_match_their_equations():
-    assert len(ODEBENCH) == 31 and [s["id"] for s in ODEBENCH] == list(range(1, 32))
-    assert sum(s["dim"] == 1 for s in ODEBENCH) == 23
+    assert len(ODEBENCH) == 63 and [s["id"] for s in ODEBENCH] == list(range(1, 64))
+    # published split: 23 one-, 28 two-, 10 three-, 2 four-dimensional systems, two initial conditions each
+    assert [sum(s["dim"] == d for s in ODEBENCH) for d in (1, 2, 3, 4)] == [23, 28, 10, 2]
     for system in ODEBENCH:
         for init in system["inits"]:
             assert len(init) == system["dim"]
@@ -52,6 +53,51 @@ def test_odebench_systems_simulate_and_match_their_equations():
     w = np.sqrt(osc["consts"][0])
     x0, v0 = osc["inits"][0]
     np.testing.assert_allclose(x[:, 0], x0 * np.cos(w * t) + v0 / w * np.sin(w * t), atol=1e-6)
+
+
+@pytest.mark.parametrize("system", ODEBENCH, ids=lambda s: f"ode{s['id']}")
+def test_odebench_rhs_and_simulation_finite(system):
+    assert len(system["inits"]) == 2
+    for init in system["inits"]:
+        rhs = np.asarray(system["f"](np.asarray(init, dtype=float), system["consts"]), dtype=float)
+        assert rhs.shape == (system["dim"],) and np.isfinite(rhs).all()
+        t, x = simulate(system["f"], system["consts"], init, n_points=64)  # the published span [0, 10]
+        assert t[0] == 0 and t[-1] == 10 and x.shape == (64, system["dim"]) and np.isfinite(x).all()
+        np.testing.assert_allclose(x[0], init)
+
+
+def _system(id_):
+    return next(s for s in ODEBENCH if s["id"] == id_)
+
+
+def test_odebench_new_systems_keep_their_invariants():
+    # 63, SEIR in proportions: S' + E' + I' + R' = 0, so the total stays 1 and every share in [0, 1]
+    seir = _system(63)
+    for init in seir["inits"]:
+        _, x = simulate(seir["f"], seir["consts"], init, n_points=128)
+        np.testing.assert_allclose(x.sum(axis=1), 1.0, atol=1e-8)
+        assert (x > -1e-9).all() and (x < 1 + 1e-9).all()
+        assert x[-1, 3] > x[0, 3] + 0.1 and x[-1, 0] < x[0, 0]  # recovered grow, susceptibles shrink
+    # 34, frictionless bead on a rotating hoop, x'' = sin x (cos x - g): conserved energy
+    # E = v^2/2 - sin(x)^2/2 - g cos(x)
+    hoop = _system(34)
+    (g,) = hoop["consts"]
+    for init in hoop["inits"]:
+        _, x = simulate(hoop["f"], hoop["consts"], init, n_points=128)
+        energy = x[:, 1] ** 2 / 2 - np.sin(x[:, 0]) ** 2 / 2 - g * np.cos(x[:, 0])
+        np.testing.assert_allclose(energy, energy[0], atol=1e-6)
+        assert np.ptp(x[:, 0]) > 0.5  # it actually moves
+    # 32, damped double well, x'' = -c x' + x - x^3: E = v^2/2 - x^2/2 + x^4/4 loses exactly c * int v^2 dt
+    well = _system(32)
+    (c,) = well["consts"]
+    from scipy.integrate import simpson
+
+    for init in well["inits"]:
+        t, x = simulate(well["f"], well["consts"], init, n_points=4001)
+        energy = x[:, 1] ** 2 / 2 - x[:, 0] ** 2 / 2 + x[:, 0] ** 4 / 4
+        dissipated = c * simpson(x[:, 1] ** 2, x=t)
+        assert dissipated > 1.0
+        np.testing.assert_allclose(energy[0] - energy[-1], dissipated, rtol=1e-6)
 
 
 def _gapped_csv(path, n=60):
