@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,7 +94,7 @@ def _cmd_download(args) -> int:
 
 def _run_family(kind: str, args) -> int:
     from domainfm import config as cfgmod
-    from domainfm.experiment import RunFolder, print_table as print_arms
+    from domainfm.experiment import RunFolder, RunFolderError, print_table as print_arms
 
     module = family_entry(kind, args.family)
     config_file = Path(args.config) if args.config else cfgmod.config_path(args.family, kind)
@@ -101,23 +102,45 @@ def _run_family(kind: str, args) -> int:
     cfg = cfgmod.from_dict(module.Config, raw)
     name = args.name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     resume = bool(getattr(getattr(cfg, "train", None), "resume", False))
-    folder = RunFolder.create(Path(args.runs_dir) / args.family / name, resume=resume)
-    folder.write_config(cfg)
-    folder.write_meta(family=args.family, kind=kind, name=name, config_source=str(config_file),
-                      overrides=list(args.overrides))
-    print(f"domainfm {kind} {args.family}: run folder {folder.path}")
-    seed = getattr(getattr(cfg, "train", None), "seed", None)
-    if seed is not None:
-        # before run() builds the model: the same config gives the same initial weights
-        from lightning_fabric.utilities.seed import seed_everything
+    path = Path(args.runs_dir) / args.family / name
+    if resume and not (path / "run.json").is_file():
+        raise RunFolderError(
+            f"train.resume=true but there is nothing to resume in {path}: no run there (no run.json)\n"
+            "  -> drop train.resume=true to start a new run, or name the run to continue with --name")
+    folder = RunFolder.create(path, resume=resume)  # refuses a used name, or a folder in use
+    try:
+        if resume:
+            # the run's config.yaml and run.json stay as they are until the resumed run succeeds
+            _check_resume_config(folder, cfg)
+        else:
+            folder.write_config(cfg)
+            folder.write_meta(family=args.family, kind=kind, name=name, config_source=str(config_file),
+                              overrides=list(args.overrides))
+        print(f"domainfm {kind} {args.family}: run folder {folder.path}" + (" (resumed)" if resume else ""))
+        seed = getattr(getattr(cfg, "train", None), "seed", None)
+        if seed is not None:
+            # before run() builds the model: the same config gives the same initial weights
+            from lightning_fabric.utilities.seed import seed_everything
 
-        seed_everything(seed, verbose=False)
-    start = time.perf_counter()
-    report = dict(module.run(cfg, folder.path) or {})
-    report.setdefault("family", args.family)
-    report.setdefault("kind", kind)
-    report["wall_time_s"] = round(time.perf_counter() - start, 2)
-    folder.write_report(report)
+            seed_everything(seed, verbose=False)
+        start = time.perf_counter()
+        report = dict(module.run(cfg, folder.path) or {})
+        report.setdefault("family", args.family)
+        report.setdefault("kind", kind)
+        report["wall_time_s"] = round(time.perf_counter() - start, 2)
+        if resume:
+            meta = folder.read_meta()
+            meta["resumes"] = list(meta.get("resumes", [])) + [
+                {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": list(args.overrides)}]
+            folder.write_config(cfg)
+            folder.write_json(folder.meta_file.name, meta)
+        folder.write_report(report)
+    except BaseException:
+        if not resume:
+            _discard_if_unused(folder)
+        raise
+    finally:
+        folder.release()
     title = f"\n{args.family} {kind} report ({folder.report_file})"
     if isinstance(report.get("arms"), dict):
         print_arms(report, title=title)
@@ -125,6 +148,66 @@ def _run_family(kind: str, args) -> int:
         flat = {k: v for k, v in report.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
         print_table(flat, title=title)
     return 0
+
+
+#: config sections whose change makes a checkpoint unusable (the architecture and its adaptation)
+_RESUME_FIXED = ("model", "adapt", "stages", "arms")
+
+
+def _check_resume_config(folder, cfg) -> None:
+    """Refuse a resume whose config changes what the checkpoints were trained as."""
+    import yaml
+
+    from domainfm import config as cfgmod
+    from domainfm.experiment import RunFolderError
+
+    if not folder.config_file.is_file():
+        raise RunFolderError(f"train.resume=true but {folder.path} has no config.yaml to resume")
+    saved = yaml.safe_load(folder.config_file.read_text()) or {}
+    now = cfgmod.to_dict(cfg)
+    changed = []
+    for section in _RESUME_FIXED:
+        if section in now or section in saved:
+            changed += _diff(saved.get(section), now.get(section), section)
+    if changed:
+        raise RunFolderError(
+            f"cannot resume {folder.path}: the config changes what its checkpoints were trained as ("
+            + "; ".join(changed[:5]) + (" ..." if len(changed) > 5 else "") + ")\n"
+            "  -> resume with the run's own settings (its config.yaml), or start a new run with another --name")
+
+
+def _diff(old, new, where: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += _diff(old.get(key), new.get(key), f"{where}.{key}")
+        return out
+    if isinstance(old, tuple):
+        old = list(old)
+    if isinstance(new, tuple):
+        new = list(new)
+    return [] if old == new else [f"{where}: {old!r} in config.yaml, {new!r} now"]
+
+
+def _discard_if_unused(folder) -> None:
+    """A new run that failed before producing anything leaves no folder behind, so its name can
+    be used again; one that produced anything (logs, checkpoints) is kept."""
+    import contextlib
+
+    from domainfm.atomic import TMP_MARK
+
+    own = {folder.config_file.name, folder.meta_file.name, folder.lock_file.name}
+    files = [p for p in folder.path.rglob("*") if p.is_file() and TMP_MARK not in p.name]
+    if any(p.parent != folder.path or p.name not in own for p in files):
+        return
+    for p in files:
+        if p.name != folder.lock_file.name:
+            p.unlink()
+    folder.release()
+    with contextlib.suppress(OSError):
+        for d in sorted((p for p in folder.path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            d.rmdir()
+        folder.path.rmdir()
 
 
 def _cmd_evaluate(args) -> int:
@@ -163,6 +246,8 @@ def _cmd_predict(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="domainfm", description="Domain foundation models: zoo, weights, pretraining and fine-tuning.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (user errors are otherwise one line)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("list", help="list registered models", description="List registered models (fnmatch pattern).")
@@ -206,8 +291,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_error_types() -> tuple[type, ...]:
+    from domainfm import hub
+    from domainfm.config import ConfigError
+    from domainfm.engine import ResumeError
+    from domainfm.experiment import RunFolderError, WeightsUnavailable
+
+    return (ConfigError, RunFolderError, ResumeError, WeightsUnavailable, hub.HubError, FileNotFoundError)
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Errors about the user's input (config, data, weights, run folder): reported in one line,
+    not as a traceback. Data errors are the ``ValueError`` subclasses the data loaders define."""
+    if isinstance(exc, _user_error_types()):
+        return True
+    return isinstance(exc, ValueError) and any(
+        c.__module__.startswith(("domainfm.data_loaders", "data_loaders")) for c in type(exc).__mro__
+        if issubclass(c, ValueError) and c is not ValueError)
+
+
+_DEBUG_HINT = "  (run again with --debug for the traceback)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug may stand anywhere before a predict family's own arguments
+    cut = argv.index("predict") + 2 if "predict" in argv else len(argv)
+    debug = "--debug" in argv[:cut] or os.environ.get("DOMAINFM_DEBUG", "").strip() in {"1", "true", "yes"}
+    argv = [a for i, a in enumerate(argv) if not (a == "--debug" and i < cut)]
     parser = build_parser()
     # key=value overrides may also follow --options (argparse stops filling a positional list
     # at the first option); anything else left over is an error as usual
@@ -217,7 +328,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.overrides = list(args.overrides) + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except Exception as exc:  # noqa: BLE001 - user errors become one line; anything else propagates
+        if debug or not is_user_error(exc):
+            raise
+        message = str(exc).strip() or type(exc).__name__
+        if isinstance(exc, FileNotFoundError) and exc.filename and exc.filename not in message:
+            message = f"{message}: {exc.filename}"
+        first, *rest = message.splitlines()
+        print(f"domainfm {args.command}: error: {first}", file=sys.stderr)
+        for line in rest:
+            print(line, file=sys.stderr)
+        print(_DEBUG_HINT, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -34,19 +34,24 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from domainfm.atomic import atomic_path, atomic_torch_save, atomic_write_text
+from domainfm.atomic import atomic_path, atomic_torch_save, atomic_write_text, remove_stale_temps
 
 __all__ = [
     "TrainConfig",
     "Recipe",
     "Trainer",
     "FitResult",
+    "ResumeError",
     "ResumableSampler",
     "build_param_groups",
     "warmup_cosine",
     "atomic_torch_save",
     "atomic_write_text",
 ]
+
+
+class ResumeError(RuntimeError):
+    """``train.resume=true`` but there is nothing to resume from."""
 
 
 # --------------------------------------------------------------------------- config
@@ -405,6 +410,9 @@ class Trainer:
                 "best_metric": self.best_metric,
                 "best_step": self.best_step,
                 "bad_epochs": self.bad_epochs,
+                # metrics.jsonl records written up to this checkpoint: a resume cuts the log back
+                # to them, so the history is one run with no step repeated
+                "log_records": len(self.history),
             },
             "rng": _rng_state(),
         }
@@ -444,9 +452,38 @@ class Trainer:
             self._raw_model.load_state_dict(rest.pop("model"))
             optimizer.load_state_dict(rest.pop("optimizer"))
         scheduler.load_state_dict(rest["scheduler"])
-        for key, value in rest["trainer"].items():
+        trainer_state = dict(rest["trainer"])
+        log_records = trainer_state.pop("log_records", None)
+        for key, value in trainer_state.items():
             setattr(self, key, value)
         _set_rng_state(rest["rng"])
+        self._restore_history(log_records)
+
+    def _restore_history(self, log_records: int | None) -> None:
+        """Read the interrupted run's ``metrics.jsonl`` back as this trainer's history, cut to what
+        was logged up to the checkpoint (records after it are repeated by the resumed run).
+        Checkpoints without a record count keep the records up to the checkpoint's step."""
+        if self.run_dir is None:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        kept, records = [], []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by the kill
+                break
+            if log_records is not None and len(records) >= log_records:
+                break
+            if log_records is None and isinstance(record.get("step"), int) and record["step"] > self.global_step:
+                break
+            kept.append(line)
+            records.append(record)
+        self.history = records
+        if self.is_global_zero and len(kept) != len(lines):
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def _save_best(self, model) -> Path | None:
         if self.checkpoint_dir is None:
@@ -539,9 +576,20 @@ class Trainer:
         )
 
         last = self.checkpoint_dir / "last.ckpt" if self.checkpoint_dir is not None else None
-        if cfg.resume and last is not None and last.exists():
-            self.load_checkpoint(model, optimizer, scheduler, last)
-            self.log({"event": "resumed", "step": self.global_step, "epoch": self.epoch})
+        if self.run_dir is not None and self.is_global_zero:
+            remove_stale_temps(self.run_dir)  # temporary files of a write killed mid-way
+        if cfg.resume and last is not None:
+            if last.exists():
+                self.load_checkpoint(model, optimizer, scheduler, last)
+                self.log({"event": "resumed", "step": self.global_step, "epoch": self.epoch})
+            elif self.run_dir.is_dir() and any(self.run_dir.iterdir()):
+                # an earlier attempt wrote here but never completed a checkpoint: starting over
+                # silently would present a fresh run as a resumed one
+                raise ResumeError(
+                    f"train.resume=true but there is nothing to resume in {self.run_dir}: no checkpoint "
+                    f"{last} (the earlier run stopped before its first checkpoint). Start a new run with "
+                    "another --name (or remove the folder).")
+            # else: this part of a resumed experiment never started (e.g. its second arm): from the start
 
         best_path = self.checkpoint_dir / "best.safetensors" if self.checkpoint_dir is not None and self.best_step is not None else None
         stopped_early = False
