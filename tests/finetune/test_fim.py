@@ -2,6 +2,8 @@
 through the CLI (values for every gap, std column, PNG, errors), and a fine-tuning run on a series."""
 from __future__ import annotations
 
+import re
+
 import json
 
 import numpy as np
@@ -10,7 +12,8 @@ import pytest
 
 from domainfm import cli
 from domainfm.data_loaders.gapped_series import GappedSeriesError
-from domainfm.finetune.fim import ODEBENCH, interpolate_baseline, masked_metrics, simulate
+from domainfm.data_loaders.odebench import ODEBENCH, simulate
+from domainfm.finetune.fim import interpolate_baseline, masked_metrics
 
 
 def test_masked_metrics_follow_pypots():
@@ -123,18 +126,20 @@ def test_predict_through_cli_fills_every_gap(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
-def test_predict_bad_input_names_file_column_row(tmp_path):
+def test_predict_bad_input_names_file_column_row(tmp_path, capsys):
+    # the CLI turns loader errors into one line naming file, column and row, exit 2
     (tmp_path / "bad.csv").write_text("time,a\n0,1\n2,2\n1,3\n")
-    with pytest.raises(GappedSeriesError, match=r"bad.csv, column 'time', row 4: times are not sorted"):
-        cli.main(["predict", "fim", "--input", str(tmp_path / "bad.csv"), "--output", str(tmp_path / "o.csv"),
-                  "--model", "fim-imputation-test", "--pretrained", "none"])
+    assert cli.main(["predict", "fim", "--input", str(tmp_path / "bad.csv"), "--output", str(tmp_path / "o.csv"),
+                     "--model", "fim-imputation-test", "--pretrained", "none"]) == 2
+    assert re.search(r"bad.csv, column 'time', row 4: times are not sorted", capsys.readouterr().err)
     t = np.arange(100.0)
     a = np.sin(t)
     a[30:75] = np.nan
     pd.DataFrame({"time": t, "a": a}).to_csv(tmp_path / "holes.csv", index=False)
     with pytest.raises(GappedSeriesError, match=r"holes.csv, column 'a': window \d+ of \d+ \(rows .* has no observed point"):
-        cli.main(["predict", "fim", "--input", str(tmp_path / "holes.csv"), "--output", str(tmp_path / "o.csv"),
+        cli.main(["--debug", "predict", "fim", "--input", str(tmp_path / "holes.csv"), "--output", str(tmp_path / "o.csv"),
                   "--model", "fim-imputation-test", "--pretrained", "none", "--window-points", "20"])
+    assert not (tmp_path / "o.csv").exists()  # nothing half-written
 
 
 def test_finetune_on_a_users_series(tmp_path):
