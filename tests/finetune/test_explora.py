@@ -87,7 +87,7 @@ def test_linear_probe_trains_only_the_head_and_evaluates_identically(tmp_path):
     assert main(["evaluate", str(run)]) == 0
     assert json.loads((run / "evaluation.json").read_text())["max_abs_diff_val"] <= 1e-6
     with pytest.raises(ValueError, match="has 3 bands, expected 4"):
-        main([*lp[:4], "lp2", *lp[5:], "data.n_bands=4"])
+        main(["--debug", *lp[:4], "lp2", *lp[5:], "data.n_bands=4"])
 
 
 def test_weights_resolve_a_pretrain_backbone_with_norm_moved_to_fc_norm(tmp_path):

@@ -132,17 +132,18 @@ def test_finetune_cli_edge_task_lora_sft_zero_shot(tmp_path):
     assert evaluation["max_abs_diff_val"] <= 1e-6
 
 
-def test_missing_pretrained_weights_is_an_error_even_with_random_fallback(tmp_path):
+def test_missing_pretrained_weights_is_an_error_even_with_random_fallback(tmp_path, capsys):
     from domainfm.experiment import WeightsUnavailable
 
     missing = tmp_path / "nowhere" / "encoder"
-    # a file the user named never falls back to random init
-    with pytest.raises(FileNotFoundError):
-        _cli(tmp_path, f"model.pretrained={missing}", "model.fallback=random", "data.dataset=karate",
-             "adapt.mode=none", "stages=[]", name="a")
+    base = ["finetune", "git", "model.name=git-test", "data.dataset=karate", "adapt.mode=none", "stages=[]",
+            "--runs-dir", str(tmp_path)]
+    # a file the user named never falls back to random init: one line naming it, exit 2
+    assert main([*base, f"model.pretrained={missing}", "model.fallback=random", "--name", "a"]) == 2
+    assert str(missing) in capsys.readouterr().err
     # the card's own weights (git-test registers none) fall back only when asked to
     with pytest.raises(WeightsUnavailable, match="model.fallback=random"):
-        _cli(tmp_path, "model.pretrained=true", "data.dataset=karate", "adapt.mode=none", "stages=[]", name="b")
+        main(["--debug", *base, "model.pretrained=true", "--name", "b"])
     _, report = _cli(tmp_path, "model.pretrained=true", "model.fallback=random", "data.dataset=karate",
                      "adapt.mode=none", "stages=[]", "protocols.n_episodes=2", "protocols.k_shot=2",
                      "protocols.n_query=2", name="c")
