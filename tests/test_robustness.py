@@ -242,3 +242,74 @@ def test_data_loader_and_missing_input_errors_are_user_errors(toy_family, capsys
     assert "missing.yaml" in capsys.readouterr().err
     # an unexpected error (a bug) keeps its traceback
     assert not cli.is_user_error(ValueError("bug")) and not cli.is_user_error(KeyError("x"))
+
+
+# --------------------------------------------------------------------------- 2. named weights must load
+
+
+class _Exec:
+    def __reduce__(self):
+        import builtins
+
+        return (builtins.exec, ("open('/dev/null')",))
+
+
+def _tiny_eeg_args(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_cbramod_tests", Path(__file__).parent / "finetune" / "test_cbramod.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._common(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["unsafe", "corrupt", "other_family", "text"])
+def test_named_weights_file_that_fails_stops_the_cli_even_with_fallback_random(kind, tmp_path, capsys):
+    from domainfm import create_model
+
+    path = tmp_path / f"{kind}.pth"
+    if kind == "unsafe":
+        torch.save({"model": _Exec()}, path)
+    elif kind == "corrupt":
+        buffer = __import__("io").BytesIO()
+        torch.save(create_model("cbramod-test", n_outputs=None).state_dict(), buffer)
+        path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    elif kind == "other_family":
+        torch.save({"body.0.weight": torch.zeros(4, 3), "head.weight": torch.zeros(2, 4)}, path)
+    else:
+        path.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    args = ["finetune", "cbramod", *_tiny_eeg_args(tmp_path), f"model.pretrained={path}", "model.fallback=random",
+            "arms=[pretrained]", "train.max_steps=2", "--runs-dir", str(tmp_path / "runs"), "--name", kind]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "RANDOM" not in err and "Traceback" not in err
+    first = next(line for line in err.splitlines() if line.startswith("domainfm finetune: error:"))
+    assert str(path) in first
+    assert not (tmp_path / "runs" / "cbramod" / kind / "report.json").exists()
+
+
+def test_non_checkpoint_files_are_named_as_such_and_code_only_where_met(tmp_path):
+    from domainfm import hub
+
+    cases = {"text.pth": b"hello world\nthis is text\n", "passwd.pth": b"root:x:0:0:root:/root:/bin/bash\n",
+             "random.pth": bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).to(torch.uint8).tolist()),
+             "random.safetensors": b"\x00\xff" * 100, "empty.bin": b""}
+    for name, data in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(hub.HubError) as info:
+            hub.load_checkpoint(path)
+        message = str(info.value)
+        assert not isinstance(info.value, hub.UnsafeCheckpointError), name
+        assert message.startswith(f"{path}: not a checkpoint") and \
+            "not a safetensors file, not a torch zip archive, not a pickle" in message, message
+        assert "execute code" not in message
+    evil = tmp_path / "evil.pth"
+    torch.save({"w": _Exec()}, evil)
+    with pytest.raises(hub.UnsafeCheckpointError, match=r"would execute code.*exec"):
+        hub.load_checkpoint(evil)
+    # a safetensors file under another name is read as what it is
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(3.0)}, str(tmp_path / "st.pth"))
+    assert torch.equal(hub.load_checkpoint(tmp_path / "st.pth")["w"], torch.arange(3.0))
