@@ -136,14 +136,17 @@ def test_missing_card_weights_fail_or_fall_back_and_named_sources_always_fail(tm
     args = ["finetune", "wavetoken", "model.name=chronos-t5-test", "model.pretrained=true", "stages=[]",
             "arms=[pretrained]", "adapt.mode=none", "eval.num_samples=2", "--runs-dir", str(tmp_path)]
     with pytest.raises(WeightsUnavailable, match="model.fallback=random"):  # chronos cards have no registered source
-        cli.main(args + ["--name", "a"])
+        cli.main(["--debug", *args, "--name", "a"])
     assert cli.main(args + ["model.fallback=random", "--name", "b"]) == 0
     arm = json.loads((tmp_path / "wavetoken" / "b" / "report.json").read_text())["arms"]["pretrained"]
     assert arm["init"].startswith("random (fallback") and arm["params"]["trainable"] == 0 and "best_step" not in arm
     assert "zero_shot" not in arm and arm["test"]["n_datasets"] == 6  # mode none: the test scores are zero-shot
     assert "RANDOM" in capsys.readouterr().err
     with pytest.raises(hub.HubError):  # a source the user named never falls back
-        cli.main(args + ["model.pretrained=hf://org/repo/w.safetensors", "model.fallback=random", "--name", "c"])
+        cli.main(["--debug", *args, "model.pretrained=hf://org/repo/w.safetensors", "model.fallback=random", "--name", "c"])
+    # without --debug the same refusal is one line, exit 2
+    assert cli.main(args + ["model.pretrained=hf://org/repo/w.safetensors", "model.fallback=random", "--name", "d"]) == 2
+    assert "domainfm finetune: error:" in capsys.readouterr().err
 
 
 def test_a_whole_hf_repository_is_a_pretrained_source(tmp_path, http_server, monkeypatch, domainfm_home):
