@@ -313,3 +313,52 @@ def test_non_checkpoint_files_are_named_as_such_and_code_only_where_met(tmp_path
 
     save_file({"w": torch.arange(3.0)}, str(tmp_path / "st.pth"))
     assert torch.equal(hub.load_checkpoint(tmp_path / "st.pth")["w"], torch.arange(3.0))
+
+
+# --------------------------------------------------------------------------- 3. the cache verifies what it serves
+
+
+def test_unpinned_download_is_recorded_and_a_tampered_cache_file_refused(http_server, domainfm_home):
+    import hashlib
+    import warnings
+
+    from domainfm import hub
+
+    body = b"weights" * 1000
+    url = http_server.serve("/free/good.pth", body)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = hub.fetch(url, progress=False)
+    digest = hashlib.sha256(body).hexdigest()
+    record = json.loads((domainfm_home / hub.LOCK_FILE_NAME).read_text())
+    assert record["files"][path.relative_to(hub.weights_dir()).as_posix()]["sha256"] == digest
+    assert hub.fetch(url, progress=False) == path  # verified and served from the cache
+    assert http_server.hit_count("/free/good.pth") == 1
+
+    path.write_bytes(b"tampered" + body[8:])
+    tampered = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(hub.ChecksumError) as info:
+        hub.fetch(url, progress=False)
+    assert digest in str(info.value) and tampered in str(info.value) and str(path) in str(info.value)
+    assert http_server.hit_count("/free/good.pth") == 1
+
+
+def test_query_strings_are_cached_apart_and_credentials_stay_out_of_paths(http_server, domainfm_home):
+    import warnings
+
+    from domainfm import hub
+
+    url = http_server.serve("/q/good.pth", b"version one")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = hub.fetch(url + "?version=1", progress=False)
+        http_server.serve("/q/good.pth", b"version two")
+        second = hub.fetch(url + "?version=2", progress=False)
+    assert first != second and first.name == second.name == "good.pth"
+    assert first.read_bytes() == b"version one" and second.read_bytes() == b"version two"
+    assert http_server.hit_count("/q/good.pth") == 2
+    assert hub.cache_path_for(url) not in {first, second}
+    secret = hub.cache_path_for("https://alice:s3cret@example.org/w/model.pth?token=abc123")
+    assert "s3cret" not in str(secret) and "abc123" not in str(secret) and "alice" not in str(secret)
+    assert secret != hub.cache_path_for("https://example.org/w/model.pth?token=other")
+    assert secret.is_relative_to(hub.weights_dir() / "url" / "example.org")

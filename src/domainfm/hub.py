@@ -20,7 +20,10 @@ Every converter is idempotent, so a file that already holds our keys passes thro
 
 Downloads go to a temporary file beside the destination, are hashed while streaming, and are
 renamed into the cache (``$DOMAINFM_HOME/weights``, default ``~/.cache/domainfm/weights``) only
-when the full sha256 matches, so the cache never holds a partial or unverified file. With
+when the full sha256 matches, so the cache never holds a partial or unverified file. A file
+downloaded without a pinned sha256 has its digest recorded in ``$DOMAINFM_HOME/weights.lock.json``
+and verified on every later load (a file changed in the cache is refused). The cache key is the
+whole URL (query string included; credentials and queries only as a digest in the path). With
 ``DOMAINFM_OFFLINE=1`` nothing is downloaded; a missing file is an error that names where to
 put it. Nothing is ever unpickled with arbitrary code.
 """
@@ -68,6 +71,7 @@ __all__ = [
     "CONFIG_NAME",
     "WEIGHTS_NAME",
     "OWN_METADATA_KEY",
+    "LOCK_FILE_NAME",
 ]
 
 CONFIG_NAME = "config.json"
@@ -121,7 +125,10 @@ def _split_hf(url: str) -> tuple[str, str]:
 
 
 def cache_path_for(url: str) -> Path:
-    """Where the cache keeps the file behind ``url`` (hf://org/repo/f -> weights/hf/org/repo/f)."""
+    """Where the cache keeps the file behind ``url`` (hf://org/repo/f -> weights/hf/org/repo/f).
+
+    The whole URL is the key: a query string (``?version=2``) or credentials give another file,
+    kept under a ``q-<digest>`` folder, so neither credentials nor tokens ever appear in a path."""
     if url.startswith("hf://"):
         repo, path = _split_hf(url)
         return weights_dir() / "hf" / repo / path
@@ -129,8 +136,65 @@ def cache_path_for(url: str) -> Path:
     if parsed.scheme not in {"http", "https"}:
         raise ValueError(f"{url!r}: not a downloadable URL (expected hf://, https:// or http://)")
     safe = [p for p in parsed.path.split("/") if p not in {"", ".", ".."}]
-    host = parsed.netloc.replace(":", "_")
+    host = (parsed.hostname or "") + (f"_{parsed.port}" if parsed.port else "")
+    userinfo = parsed.netloc.rpartition("@")[0]
+    if parsed.query or userinfo:
+        key = hashlib.sha256(f"{userinfo}@?{parsed.query}".encode()).hexdigest()[:16]
+        safe = [*safe[:-1], f"q-{key}", *safe[-1:]] if safe else [f"q-{key}"]
     return weights_dir() / "url" / host / Path(*safe) if safe else weights_dir() / "url" / host / "index"
+
+
+#: ``$DOMAINFM_HOME/<this>``: the sha256 of every file downloaded without a pinned digest,
+#: recorded at download and verified on every later load
+LOCK_FILE_NAME = "weights.lock.json"
+
+
+def _lock_file() -> Path:
+    return home() / LOCK_FILE_NAME
+
+
+def _redact(url: str) -> str:
+    parsed = urllib.parse.urlsplit(url)
+    if "@" in parsed.netloc:
+        parsed = parsed._replace(netloc=parsed.netloc.rpartition("@")[2])
+    return urllib.parse.urlunsplit(parsed._replace(query="…" if parsed.query else ""))
+
+
+def _recorded_sha256(dest: Path) -> str | None:
+    path = _lock_file()
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text()).get("files", {})
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise HubError(f"{path}: not a readable weights lock file ({exc}); delete it to record digests anew") from exc
+    entry = files.get(dest.relative_to(weights_dir()).as_posix())
+    return entry.get("sha256") if isinstance(entry, dict) else None
+
+
+def _record_sha256(dest: Path, url: str, digest: str) -> None:
+    """Add ``dest``'s digest to the lock file (read-modify-write under an flock where available)."""
+    import contextlib
+    import time
+
+    path = _lock_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    guard = open(path.with_name(f".{path.name}.guard"), "a+")
+    try:
+        with contextlib.suppress(ImportError):
+            import fcntl
+
+            fcntl.flock(guard.fileno(), fcntl.LOCK_EX)
+        data = {"files": {}}
+        if path.is_file():
+            with contextlib.suppress(json.JSONDecodeError):
+                data = json.loads(path.read_text())
+        data.setdefault("files", {})[dest.relative_to(weights_dir()).as_posix()] = {
+            "url": _redact(url), "sha256": digest, "size": dest.stat().st_size,
+            "recorded": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    finally:
+        guard.close()
 
 
 def _download_url_for(url: str) -> str:
@@ -243,6 +307,18 @@ def fetch(url: str, sha256: str | None = None, *, progress: bool = True) -> Path
                 raise ChecksumError(
                     f"cached file {dest} has sha256 {actual}, expected {sha256.lower()}: delete it to download again"
                 )
+            return dest
+        # no pinned digest: the one recorded at download (lock file) is verified on every load
+        recorded = _recorded_sha256(dest)
+        actual = sha256_file(dest)
+        if recorded is None:
+            warnings.warn(f"cached file {dest} has no recorded sha256 (cached before digests were recorded); "
+                          f"recording its sha256 {actual} in {_lock_file()}", stacklevel=2)
+            _record_sha256(dest, url, actual)
+        elif actual != recorded:
+            raise ChecksumError(
+                f"cached file {dest} has sha256 {actual}, but {recorded} was recorded when it was downloaded "
+                f"({_lock_file()}): it changed since; delete it to download again")
         return dest
     if is_offline():
         raise OfflineError(
@@ -263,6 +339,8 @@ def fetch(url: str, sha256: str | None = None, *, progress: bool = True) -> Path
             raise ChecksumError(f"{url}: downloaded file has sha256 {actual}, expected {sha256.lower()}; not cached")
         if sha256 is None:
             warnings.warn(f"{url} has no recorded sha256; the downloaded file's sha256 is {actual}", stacklevel=2)
+    if sha256 is None:
+        _record_sha256(dest, url, actual)
     return dest
 
 
