@@ -35,9 +35,14 @@ __all__ = [
     "load_sample",
     "left_pad",
     "SAMPLES",
+    "TimeSeriesError",
 ]
 
 SAMPLES = ("statsmodels_series",)
+
+
+class TimeSeriesError(ValueError):
+    """Bad time-series input; the message names the file (or DataFrame), item and column."""
 
 # coarsest first: the first alias whose grid holds every timestamp is the series' frequency
 _CANDIDATES = ("YS", "YE", "QS", "QE", "MS", "ME", "W", "D", "B", "h", "min", "s")
@@ -52,7 +57,7 @@ def infer_freq(timestamps: Sequence | pd.DatetimeIndex, *, name: str = "timestam
     """
     index = pd.DatetimeIndex(timestamps)
     if len(index) < 2:
-        raise ValueError(f"{name}: cannot infer a frequency from {len(index)} timestamp(s); pass freq=")
+        raise TimeSeriesError(f"{name}: cannot infer a frequency from {len(index)} timestamp(s); pass freq=")
     if len(index) >= 3:
         freq = pd.infer_freq(index)
         if freq is not None:
@@ -66,23 +71,23 @@ def infer_freq(timestamps: Sequence | pd.DatetimeIndex, *, name: str = "timestam
             continue
         if len(grid) <= 100 * len(index) and index.isin(grid).all():
             return alias
-    raise ValueError(f"{name}: timestamps follow no regular frequency (first {list(index[:3])}); pass freq=")
+    raise TimeSeriesError(f"{name}: timestamps follow no regular frequency (first {list(index[:3])}); pass freq=")
 
 
 def _regularise(item: str, times: pd.DatetimeIndex, values: np.ndarray, freq: str | None, where: str) -> dict[str, Any]:
     if times.has_duplicates:
         dup = times[times.duplicated()][0]
-        raise ValueError(f"{where}: item {item!r} has more than one row at timestamp {dup}")
+        raise TimeSeriesError(f"{where}: item {item!r} has more than one row at timestamp {dup}")
     order = np.argsort(times.values, kind="stable")
     times, values = times[order], values[order]
     if freq is None:
         freq = infer_freq(times, name=f"{where}: item {item!r}") if len(times) > 1 else None
         if freq is None:
-            raise ValueError(f"{where}: item {item!r} has a single timestamp; pass freq= to place it")
+            raise TimeSeriesError(f"{where}: item {item!r} has a single timestamp; pass freq= to place it")
     grid = pd.date_range(times[0], times[-1], freq=freq)
     if not times.isin(grid).all():
         off = times[~times.isin(grid)][0]
-        raise ValueError(f"{where}: item {item!r}: timestamp {off} is not on the {freq!r} grid starting {times[0]}")
+        raise TimeSeriesError(f"{where}: item {item!r}: timestamp {off} is not on the {freq!r} grid starting {times[0]}")
     target = pd.Series(values, index=times).reindex(grid).to_numpy(dtype=np.float64)
     return {"item_id": str(item), "start": grid[0], "freq": freq, "target": target}
 
@@ -97,21 +102,21 @@ def from_dataframe(df: pd.DataFrame, *, item_id: str | None = "item_id", timesta
     """
     missing = [c for c in (timestamp, target) if c not in df.columns]
     if missing:
-        raise ValueError(f"{where}: missing column(s) {missing}; columns are {list(df.columns)} "
+        raise TimeSeriesError(f"{where}: missing column(s) {missing}; columns are {list(df.columns)} "
                          "(set item_id=/timestamp=/target= to the names used)")
     if item_id is not None and item_id not in df.columns:
-        raise ValueError(f"{where}: no item column {item_id!r} (columns {list(df.columns)}); pass item_id=None for one series")
+        raise TimeSeriesError(f"{where}: no item column {item_id!r} (columns {list(df.columns)}); pass item_id=None for one series")
     try:
         times = pd.to_datetime(df[timestamp])
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"{where}: column {timestamp!r} is not parseable as timestamps ({exc})") from None
+        raise TimeSeriesError(f"{where}: column {timestamp!r} is not parseable as timestamps ({exc})") from None
     values = pd.to_numeric(df[target], errors="coerce")
     bad = values.isna() & df[target].notna()
     if bad.any():
-        raise ValueError(f"{where}: column {target!r} has non-numeric value {df[target][bad].iloc[0]!r} "
+        raise TimeSeriesError(f"{where}: column {target!r} has non-numeric value {df[target][bad].iloc[0]!r} "
                          f"(row {int(np.flatnonzero(bad.to_numpy())[0])}); use an empty cell for a missing value")
     if np.isinf(values.to_numpy(dtype=np.float64)).any():
-        raise ValueError(f"{where}: column {target!r} contains infinite values")
+        raise TimeSeriesError(f"{where}: column {target!r} contains infinite values")
     frame = pd.DataFrame({"t": times, "y": values.astype(np.float64)})
     frame["item"] = df[item_id].astype(str).to_numpy() if item_id is not None else "series"
     has_dataset = dataset is not None and dataset in df.columns
@@ -123,11 +128,11 @@ def from_dataframe(df: pd.DataFrame, *, item_id: str | None = "item_id", timesta
         if has_dataset:
             names = group["dataset"].unique()
             if len(names) > 1:
-                raise ValueError(f"{where}: item {item!r} appears in several datasets {list(names)}")
+                raise TimeSeriesError(f"{where}: item {item!r} appears in several datasets {list(names)}")
             s["dataset"] = names[0]
         series.append(s)
     if not series:
-        raise ValueError(f"{where}: no rows")
+        raise TimeSeriesError(f"{where}: no rows")
     return series
 
 
@@ -140,14 +145,20 @@ def read_long(source: str | os.PathLike | pd.DataFrame, **kwargs) -> list[dict[s
         raise FileNotFoundError(f"time series file not found: {path}")
     suffix = path.suffix.lower()
     if suffix in (".csv", ".txt", ".gz"):
-        df = pd.read_csv(path)
+        try:
+            df = pd.read_csv(path)
+        except pd.errors.EmptyDataError:
+            raise TimeSeriesError(f"{path}: the file is empty (expected a header with item_id, timestamp, "
+                                  "target columns and one row per item and timestamp)") from None
+        except (pd.errors.ParserError, UnicodeDecodeError) as exc:
+            raise TimeSeriesError(f"{path}: not a readable CSV file ({exc})") from None
     elif suffix in (".parquet", ".pq"):
         try:
             df = pd.read_parquet(path)
         except ImportError as exc:
             raise ImportError(f"{path}: reading Parquet needs pyarrow or fastparquet (pip install pyarrow)") from exc
     else:
-        raise ValueError(f"{path}: unsupported file type {suffix!r}; expected .csv or .parquet in long format")
+        raise TimeSeriesError(f"{path}: unsupported file type {suffix!r}; expected .csv or .parquet in long format")
     return from_dataframe(df, where=str(path), **kwargs)
 
 
@@ -157,16 +168,16 @@ def from_gluonts(entries: Iterable[Mapping[str, Any]], *, freq: str | None = Non
     series = []
     for i, entry in enumerate(entries):
         if "target" not in entry or "start" not in entry:
-            raise ValueError(f"entry {i}: needs 'start' and 'target' keys, has {sorted(entry)}")
+            raise TimeSeriesError(f"entry {i}: needs 'start' and 'target' keys, has {sorted(entry)}")
         target = np.asarray(entry["target"], dtype=np.float64)
         if target.ndim != 1:
-            raise ValueError(f"entry {i}: target must be 1-D (univariate), got shape {target.shape}")
+            raise TimeSeriesError(f"entry {i}: target must be 1-D (univariate), got shape {target.shape}")
         if np.isinf(target).any():
-            raise ValueError(f"entry {i}: target contains infinite values")
+            raise TimeSeriesError(f"entry {i}: target contains infinite values")
         start = entry["start"]
         f = freq or entry.get("freq") or (start.freqstr if isinstance(start, pd.Period) else None)
         if f is None:
-            raise ValueError(f"entry {i}: no frequency (pass freq=, a 'freq' key, or a pandas Period start)")
+            raise TimeSeriesError(f"entry {i}: no frequency (pass freq=, a 'freq' key, or a pandas Period start)")
         start = start.to_timestamp() if isinstance(start, pd.Period) else pd.Timestamp(start)
         s = {"item_id": str(entry.get("item_id", i)), "start": start, "freq": f, "target": target}
         if "dataset" in entry:
@@ -184,13 +195,13 @@ def split_by_time(series: Sequence[Mapping[str, Any]], prediction_length: int, *
     ``context`` (everything before the window) and ``future`` (the window's values).
     """
     if prediction_length < 1 or n_windows < 1:
-        raise ValueError(f"prediction_length={prediction_length} and n_windows={n_windows} must be >= 1")
+        raise TimeSeriesError(f"prediction_length={prediction_length} and n_windows={n_windows} must be >= 1")
     train, test = [], []
     for s in series:
         target = np.asarray(s["target"], dtype=np.float64)
         cut = len(target) - n_windows * prediction_length
         if cut < min_context:
-            raise ValueError(f"series {s.get('item_id')!r}: length {len(target)} leaves fewer than {min_context} context "
+            raise TimeSeriesError(f"series {s.get('item_id')!r}: length {len(target)} leaves fewer than {min_context} context "
                              f"value(s) before {n_windows} window(s) of {prediction_length}")
         train.append({**s, "target": target[:cut]})
         for w in range(n_windows):
@@ -241,16 +252,16 @@ class ForecastWindows(Dataset):
         self.context_length, self.prediction_length = int(context_length), int(prediction_length)
         self.min_past = self.prediction_length if min_past is None else int(min_past)
         if not 0 <= missing_prob < 1:
-            raise ValueError(f"missing_prob={missing_prob}: expected a probability in [0, 1)")
+            raise TimeSeriesError(f"missing_prob={missing_prob}: expected a probability in [0, 1)")
         self.missing_prob = missing_prob
         need = self.min_past + self.prediction_length
         keep = [i for i, t in enumerate(self.targets) if len(t) >= need]
         if not keep:
-            raise ValueError(f"no series is long enough for min_past={self.min_past} + prediction_length={self.prediction_length}")
+            raise TimeSeriesError(f"no series is long enough for min_past={self.min_past} + prediction_length={self.prediction_length}")
         self.usable = keep
         w = np.ones(len(keep)) if weights is None else np.asarray(weights, dtype=np.float64)[keep]
         if (w < 0).any() or w.sum() <= 0:
-            raise ValueError("weights must be non-negative with a positive sum")
+            raise TimeSeriesError("weights must be non-negative with a positive sum")
         self.p = w / w.sum()
         self.num_windows = int(num_windows)
 
@@ -271,7 +282,7 @@ class ForecastWindows(Dataset):
 def load_sample(name: str = "statsmodels_series") -> list[dict[str, Any]]:
     """Series shipped with domainfm (see ``samples/timeseries/README.md``)."""
     if name not in SAMPLES:
-        raise ValueError(f"unknown sample {name!r}; shipped: {list(SAMPLES)}")
+        raise TimeSeriesError(f"unknown sample {name!r}; shipped: {list(SAMPLES)}")
     path = importlib.resources.files("domainfm.data_loaders") / "samples" / "timeseries" / f"{name}.csv"
     with importlib.resources.as_file(path) as p:
         return read_long(p)

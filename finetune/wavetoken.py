@@ -225,12 +225,65 @@ def _run_model_dir(run: Path) -> Path:
     return folder.model_dir(arms[0])
 
 
+def iter_long(path: Path, *, item_id: str, timestamp: str, target: str, freq: str | None, chunk_rows: int):
+    """The series of a long-format file, one at a time. A CSV whose items each occupy contiguous
+    rows (the usual layout) is read ``chunk_rows`` rows at a time, so memory does not grow with
+    the number of series; any other file (Parquet, interleaved items) is read whole."""
+    import pandas as pd
+
+    from domainfm.data_loaders.timeseries import from_dataframe, read_long
+
+    if chunk_rows < 1:
+        raise SystemExit(f"--chunk-rows={chunk_rows}: must be >= 1")
+    whole = lambda: iter(read_long(path, item_id=item_id, timestamp=timestamp, target=target, freq=freq, dataset=None))
+    if path.suffix.lower() not in (".csv", ".txt") or not path.is_file() or not _items_contiguous(path, item_id, chunk_rows):
+        yield from whole()
+        return
+    carry, first_row = None, 0
+    for chunk in pd.read_csv(path, chunksize=chunk_rows, dtype={item_id: str}):
+        frame = chunk if carry is None else pd.concat([carry, chunk], ignore_index=True)
+        items = frame[item_id].astype(str).to_numpy()
+        done = items != items[-1]  # every item but the last is complete (its rows are contiguous)
+        if done.any():
+            yield from from_dataframe(frame[done].reset_index(drop=True), item_id=item_id, timestamp=timestamp, target=target,
+                                      freq=freq, dataset=None, where=f"{path} (rows from {first_row})")
+            first_row += int(done.sum())
+        carry = frame[~done].reset_index(drop=True)
+    if carry is not None and len(carry):
+        yield from from_dataframe(carry, item_id=item_id, timestamp=timestamp, target=target, freq=freq, dataset=None,
+                                  where=f"{path} (rows from {first_row})")
+
+
+def _items_contiguous(path: Path, item_id: str, chunk_rows: int) -> bool:
+    """Whether every item of the CSV occupies one run of rows (a pass over the item column only)."""
+    import pandas as pd
+
+    seen, current = set(), None
+    try:
+        for chunk in pd.read_csv(path, usecols=[item_id], chunksize=chunk_rows, dtype={item_id: str}):
+            items = chunk[item_id].astype(str).to_numpy()
+            if not len(items):
+                continue
+            heads = items[np.r_[True, items[1:] != items[:-1]]]
+            for head in heads:
+                if head == current:
+                    continue
+                if head in seen:
+                    return False
+                seen.add(head)
+                current = head
+    except (ValueError, pd.errors.EmptyDataError):  # no such column, empty file: the whole-file reader says so
+        return False
+    return current is not None
+
+
 def predict(argv: list[str]) -> int:
     """``domainfm predict wavetoken --input series.csv --prediction-length 24 --output forecast.csv``."""
     import pandas as pd
 
     from domainfm import create_model
-    from domainfm.data_loaders.timeseries import future_index, left_pad, read_long
+    from domainfm.atomic import atomic_path
+    from domainfm.data_loaders.timeseries import TimeSeriesError, future_index, left_pad
     from domainfm.models.wavetoken import load_chronos
 
     parser = argparse.ArgumentParser(prog="domainfm predict wavetoken",
@@ -250,6 +303,8 @@ def predict(argv: list[str]) -> int:
     parser.add_argument("--timestamp", default="timestamp")
     parser.add_argument("--target", default="target")
     parser.add_argument("--freq", default=None)
+    parser.add_argument("--chunk-rows", type=int, default=200_000,
+                        help="rows read at a time from a CSV whose items are in contiguous rows (other files are read whole)")
     args = parser.parse_args(argv)
     levels = [float(q) for q in args.quantiles.split(",") if q.strip()]
     if args.run:
@@ -261,18 +316,40 @@ def predict(argv: list[str]) -> int:
         model = create_model(name, pretrained=args.pretrained or False)
         if not args.pretrained:
             print(f"warning: {name} with RANDOM weights (pass --run or --pretrained for a trained model)", file=sys.stderr)
-    series = read_long(args.input, item_id=args.item_id, timestamp=args.timestamp, target=args.target, freq=args.freq,
-                       dataset=None)
-    frames = []
-    for start in range(0, len(series), 64):
-        chunk = series[start : start + 64]
-        context = torch.from_numpy(np.stack([left_pad(s["target"], model.context_length) for s in chunk]))
+    n_rows = n_series = 0
+    path = Path(args.input)
+
+    def write(batch, fh, header):
+        context = torch.from_numpy(np.stack([left_pad(s["target"], model.context_length) for s in batch]))
         quantiles, mean = model.predict_quantiles(context, args.prediction_length, quantile_levels=levels,
                                                   num_samples=args.num_samples, seed=args.seed)
-        for s, q, mu in zip(chunk, quantiles.numpy(), mean.numpy()):
+        frames = []
+        for s, q, mu in zip(batch, quantiles.numpy(), mean.numpy()):
             row = {"item_id": s["item_id"], "timestamp": future_index(s, args.prediction_length), "mean": mu}
             row.update({str(level): q[:, j] for j, level in enumerate(levels)})
             frames.append(pd.DataFrame(row))
-    atomic_write_text(args.output, pd.concat(frames).to_csv(index=False))
-    print(f"wrote {sum(len(f) for f in frames)} rows for {len(series)} series to {args.output}")
+        frame = pd.concat(frames)
+        frame.to_csv(fh, index=False, header=header)
+        return len(frame)
+
+    # forecasts go to a temporary file batch by batch (64 series, as before) and replace the output
+    # only when every series is done: memory does not grow with the number of series
+    with atomic_path(args.output) as tmp, open(tmp, "w", newline="") as fh:
+        pending = []
+        for s in iter_long(path, item_id=args.item_id, timestamp=args.timestamp, target=args.target, freq=args.freq,
+                           chunk_rows=args.chunk_rows):
+            if not np.isfinite(s["target"]).any():
+                raise TimeSeriesError(
+                    f"{path}: item {s['item_id']!r} has no observed value (every {args.target!r} value is empty or NaN); "
+                    "drop the item or give it at least one value")
+            pending.append(s)
+            n_series += 1
+            if len(pending) == 64:
+                n_rows += write(pending, fh, header=n_rows == 0)
+                pending = []
+        if pending:
+            n_rows += write(pending, fh, header=n_rows == 0)
+        if n_series == 0:
+            raise TimeSeriesError(f"{path}: no rows")
+    print(f"wrote {n_rows} rows for {n_series} series to {args.output}")
     return 0
