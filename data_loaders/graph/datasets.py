@@ -331,12 +331,28 @@ def load_graph_dir(path: str | os.PathLike, *, seed: int = 0) -> list[GraphDatas
         raise FileNotFoundError(f"{path}: no .npz graph files")
     out = []
     for file in files:
-        with np.load(file, allow_pickle=False) as data:
-            keys = set(data.files)
-            need = {"x", "edge_index", "task", "y", "task_index", "class_emb"}
-            if need - keys:
-                raise GraphError(f"{file}: missing key(s) {sorted(need - keys)} (has {sorted(keys)})")
-            arr = {k: data[k] for k in keys}
+        try:
+            with np.load(file, allow_pickle=False) as data:
+                keys = set(data.files)
+                need = {"x", "edge_index", "task", "y", "task_index", "class_emb"}
+                if need - keys:
+                    raise GraphError(f"{file}: missing key(s) {sorted(need - keys)} (has {sorted(keys)})")
+                arr = {k: data[k] for k in keys}
+        except (ValueError, OSError, EOFError) as exc:
+            if isinstance(exc, GraphError):
+                raise
+            # numpy's own message ("...allow_pickle...") names no file and suggests unsafe loading
+            raise GraphError(f"{file}: not a readable .npz of plain arrays (object arrays are refused; "
+                             f"expected x, edge_index, task, y, task_index, class_emb): {exc}") from None
+        for key in ("edge_index", "task_index", "y", "train", "val", "test", "ptr"):
+            if key in arr and not np.issubdtype(arr[key].dtype, np.integer):
+                # a float id would be truncated silently by the cast below
+                raise GraphError(f"{file}: '{key}' must hold integers, got {arr[key].dtype}")
+        n_classes = int(arr["class_emb"].shape[0])
+        if arr["y"].size and (arr["y"].min() < 0 or arr["y"].max() >= n_classes):
+            bad = int(arr["y"].min()) if arr["y"].min() < 0 else int(arr["y"].max())
+            raise GraphError(f"{file}: label {bad} in 'y' is outside the {n_classes} classes of 'class_emb' "
+                             f"(labels must be 0..{n_classes - 1})")
         y = torch.from_numpy(arr["y"]).long()
         if {"train", "val", "test"} <= keys:
             splits = {k: torch.from_numpy(arr[k]).long() for k in ("train", "val", "test")}

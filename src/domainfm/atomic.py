@@ -35,9 +35,12 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if isinstance(exc, (OSError, RuntimeError)) and str(path) not in str(exc):
+            # writers such as torch.save report a full or read-only disk without naming the file
+            raise OSError(f"cannot write {path}: {exc}") from exc
         raise
 
 

@@ -135,3 +135,16 @@ def test_fit_returns_the_model_at_its_best_checkpoint(tmp_path):
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["model"]
     assert result.model is model and torch.equal(model.weight, saved["weight"])
     assert not torch.equal(model.weight, last["weight"])  # the last epoch's weights were not returned
+
+
+def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path, monkeypatch):
+    from domainfm.atomic import atomic_torch_save
+
+    def refuse(obj, f, *a, **k):  # what torch reports for a read-only or full checkpoints/ folder
+        raise RuntimeError("[enforce fail at inline_container.cc:747] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", refuse)
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(OSError, match=f"cannot write {target}"):
+        atomic_torch_save({"a": 1}, target)
+    assert list(target.parent.iterdir()) == []

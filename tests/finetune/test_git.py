@@ -192,3 +192,17 @@ def test_finetune_cli_link_prediction_over_seeds(tmp_path):
     assert arm["params"]["total"] == sum(p.numel() for p in GIT(384, 16, 2).parameters())
     evaluation = _evaluation(run)  # RUN/pretrained/model is the first repeat
     assert evaluation["arms"]["pretrained"]["test"]["roc_auc"] == pytest.approx(runs[0], abs=1e-6)
+
+
+def test_resuming_a_finished_experiment_reuses_its_stage(tmp_path):
+    run, report = _cli(tmp_path, "data.dataset=karate", "train.monitor=val/accuracy", "protocols.in_context=false", "arms=[pretrained]",
+                       "train.max_epochs=1", name="res")
+    stage_log = (run / "stages" / "0-git" / "metrics.jsonl").read_bytes()
+    # without resume the used name is refused; with it, the finished stage is reused, not trained again
+    assert main(["finetune", "git", "model.name=git-test", STAGE, "train.max_epochs=1", "train.batch_size=8",
+                 "adapt.seeds=[0]", "data.dataset=karate", "train.monitor=val/accuracy", "protocols.in_context=false", "arms=[pretrained]",
+                 "--runs-dir", str(tmp_path), "--name", "res"]) == 2
+    _, again = _cli(tmp_path, "data.dataset=karate", "train.monitor=val/accuracy", "protocols.in_context=false", "arms=[pretrained]",
+                    "train.max_epochs=1", "train.resume=true", name="res")
+    assert (run / "stages" / "0-git" / "metrics.jsonl").read_bytes() == stage_log
+    assert again["arms"]["pretrained"]["test"] == pytest.approx(report["arms"]["pretrained"]["test"], abs=1e-6)

@@ -51,7 +51,7 @@ class ArmContext:
 Protocol = Callable[[ArmContext], dict[str, Any]]
 
 
-def run_stage(stage: StageSection, stage_dir: Path, *, seed: int | None = None) -> dict[str, Any]:
+def run_stage(stage: StageSection, stage_dir: Path, *, seed: int | None = None, resume: bool = False) -> dict[str, Any]:
     """Run ``domainfm <kind> <family>`` in this process from its config file + overrides (never
     translated field by field). Returns the stage's report (with ``saved_model``)."""
     from domainfm import config as cfgmod
@@ -61,9 +61,17 @@ def run_stage(stage: StageSection, stage_dir: Path, *, seed: int | None = None) 
     path = Path(stage.config)
     if path.suffix not in {".yaml", ".yml"}:
         path = cfgmod.config_path(stage.family, stage.config)
-    raw = cfgmod.apply_overrides(cfgmod.load_yaml(path), list(stage.overrides))
+    overrides = list(stage.overrides)
+    if resume and (stage_dir / "report.json").is_file():
+        # a resumed experiment reuses its finished stage instead of training it again
+        done = RunFolder(stage_dir).read_report()
+        if Path(done.get("saved_model", "")).is_dir():
+            return done
+    if resume and (stage_dir / "checkpoints" / "last.ckpt").is_file():
+        overrides.append("train.resume=true")  # an interrupted stage continues from its checkpoint
+    raw = cfgmod.apply_overrides(cfgmod.load_yaml(path), overrides)
     stage_cfg = cfgmod.from_dict(module.Config, raw)
-    folder = RunFolder.create(stage_dir)
+    folder = RunFolder.create(stage_dir, resume=resume)
     folder.write_config(stage_cfg)
     folder.write_meta(family=stage.family, kind=stage.kind, config_source=str(path), overrides=list(stage.overrides))
     if seed is not None:
@@ -227,7 +235,8 @@ class Family:
         folder = RunFolder(run_dir)
         stage_reports = []
         for i, stage in enumerate(cfg.stages):
-            stage_reports.append(run_stage(stage, folder.stage_dir(i, stage.family), seed=cfg.train.seed))
+            stage_reports.append(run_stage(stage, folder.stage_dir(i, stage.family), seed=cfg.train.seed,
+                                            resume=bool(cfg.train.resume)))
         task = self.data(cfg)
         report: dict[str, Any] = {
             "family": self.name, "kind": "finetune", "task": task.task, "model": cfg.model.name,
