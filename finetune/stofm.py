@@ -33,7 +33,7 @@ from domainfm.data_loaders import spatial
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, TaskData
 from domainfm.finetune.supervised import LoraSettings, SupervisedRecipe
-from domainfm.pretrain.stofm import CellEncoderSection, build_cell_encoder
+from domainfm.pretrain.stofm import CellEncoderSection, SliceSettings, build_cell_encoder
 
 __all__ = ["Config", "DataSection", "FAMILY", "embed", "subslice_features", "build_task", "clustering_protocol",
            "CellTaskDataset", "collate_cells", "run", "evaluate", "LORA_TARGETS"]
@@ -141,21 +141,13 @@ def _encoder_section(cell_encoder) -> CellEncoderSection:
 
 
 @dataclass
-class DataSection:
+class DataSection(SliceSettings):
     """``path``: a ``.h5ad`` / Visium folder, or ``@demo`` (the shipped semi-synthetic tissue);
-    ``label_key``: the ``obs`` column to predict (``region`` or ``cell_type`` on the demo)."""
+    ``label_key``: the ``obs`` column to predict (``region`` or ``cell_type`` on the demo); the
+    sub-slice keys are :class:`~domainfm.pretrain.stofm.SliceSettings`."""
 
     path: str = "@demo"
     label_key: str = "region"
-    spatial_key: str = "spatial"
-    layer: str | None = None
-    gene_id_key: str | None = None
-    embedding_key: str | None = None
-    cell_encoder: CellEncoderSection = field(default_factory=CellEncoderSection)
-    cells_per_subslice: int = 1000
-    leiden_resolution: float = 1.0
-    alpha: float = 0.2
-    knn: int = 50
     val_fraction: float = 0.2
     test_fraction: float = 0.2
     split_seed: int = 0
@@ -240,7 +232,7 @@ def _split(labels: np.ndarray, val: float, test: float, seed: int):
 
 
 def build_task(cfg: Config) -> TaskData:
-    from domainfm.pretrain.stofm import DataSection as PretrainData, slice_subslices
+    from domainfm.pretrain.stofm import slice_subslices
 
     data = cfg.data
     adata = spatial.resolve_slice(data.path)
@@ -250,11 +242,7 @@ def build_task(cfg: Config) -> TaskData:
     raw_labels = adata.obs[data.label_key].astype(str).to_numpy()
     classes = sorted(set(raw_labels))
     labels = np.searchsorted(np.array(classes), raw_labels)
-    section = PretrainData(slices=[], spatial_key=data.spatial_key, layer=data.layer, gene_id_key=data.gene_id_key,
-                           embedding_key=data.embedding_key, cell_encoder=data.cell_encoder,
-                           cells_per_subslice=data.cells_per_subslice, leiden_resolution=data.leiden_resolution,
-                           alpha=data.alpha, knn=data.knn)
-    subs, cell_emb = slice_subslices(adata, section, seed=data.split_seed, source=str(data.path))
+    subs, cell_emb = slice_subslices(adata, data, seed=data.split_seed, source=str(data.path))
     split = _split(labels, data.val_fraction, data.test_fraction, data.split_seed)
     datasets = {k: CellTaskDataset(subs, labels, v) if len(v) else None for k, v in split.items()}
     demo = str(data.path) == "@demo"

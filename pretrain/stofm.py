@@ -42,7 +42,7 @@ from torch.utils.data import Subset
 from domainfm.data_loaders import spatial
 from domainfm.engine import Recipe, TrainConfig, Trainer
 
-__all__ = ["Config", "ModelSection", "CellEncoderSection", "DataSection", "MaskingSection", "PretrainCollator",
+__all__ = ["Config", "ModelSection", "CellEncoderSection", "SliceSettings", "DataSection", "MaskingSection", "PretrainCollator",
            "SToFMPretrainRecipe", "build_datasets", "slice_subslices", "run"]
 
 
@@ -67,12 +67,9 @@ class CellEncoderSection:
 
 
 @dataclass
-class DataSection:
-    #: .h5ad files / Visium folders ("@demo": the shipped semi-synthetic tissue)
-    slices: list[str] = field(default_factory=lambda: ["@demo"])
-    shards: str | None = None
-    preprocess_to: str | None = None
-    shard_size: int = 256
+class SliceSettings:
+    """How one slice becomes sub-slices; shared by pretraining and fine-tuning (``data:`` keys)."""
+
     spatial_key: str = "spatial"
     layer: str | None = None
     gene_id_key: str | None = None
@@ -83,6 +80,15 @@ class DataSection:
     leiden_resolution: float = 1.0
     alpha: float = 0.2
     knn: int = 50
+
+
+@dataclass
+class DataSection(SliceSettings):
+    #: .h5ad files / Visium folders ("@demo": the shipped semi-synthetic tissue)
+    slices: list[str] = field(default_factory=lambda: ["@demo"])
+    shards: str | None = None
+    preprocess_to: str | None = None
+    shard_size: int = 256
     val_fraction: float = 0.0
 
 
@@ -253,7 +259,7 @@ def build_cell_encoder(section: CellEncoderSection):
     return create_model(section.name, pretrained=section.pretrained, **section.kwargs)
 
 
-def cell_embeddings(adata, data: DataSection, encoder=None, source: str | None = None) -> np.ndarray:
+def cell_embeddings(adata, data: SliceSettings, encoder=None, source: str | None = None) -> np.ndarray:
     """``obsm[data.embedding_key]`` when present, else the cell encoder's embeddings."""
     if data.embedding_key and data.embedding_key in adata.obsm:
         return np.asarray(adata.obsm[data.embedding_key], dtype=np.float32)
@@ -262,7 +268,7 @@ def cell_embeddings(adata, data: DataSection, encoder=None, source: str | None =
     return spatial.encode_cells(tokens, encoder, batch_size=data.cell_encoder.batch_size)
 
 
-def slice_subslices(adata, data: DataSection, encoder=None, *, seed: int = 0, source: str | None = None):
+def slice_subslices(adata, data: SliceSettings, encoder=None, *, seed: int = 0, source: str | None = None):
     """(sub-slices, cell embeddings) of one validated slice."""
     spatial.validate(adata, spatial_key=data.spatial_key, layer=data.layer, source=source)
     emb = cell_embeddings(adata, data, encoder, source)
