@@ -202,9 +202,8 @@ class Family:
         recipe = self.build_recipe(cfg, model, task)
         monitor, direction = self.monitor(cfg, task)
         train_cfg = dataclasses.replace(cfg.train, seed=seed, monitor=monitor, monitor_mode=direction)
-        trainer = Trainer(train_cfg, run_dir=arm_dir if mode != "none" else None)
         if mode != "none" and task.train is not None:
-            fit = trainer.fit(recipe)
+            fit = Trainer(train_cfg, run_dir=arm_dir).fit(recipe)
             model = fit.model
             result.update(best_step=fit.best_step, steps=fit.global_step)
         if mode == "lora":
