@@ -80,7 +80,7 @@ from domainfm.engine import Recipe, TrainConfig
 from domainfm.experiment import ArmContext, ExperimentConfig, Family, ModelSection, TaskData
 
 __all__ = ["Config", "DataSection", "FAMILY", "ODEBENCH", "simulate", "masked_metrics", "interpolate_baseline",
-           "impute_series", "run", "evaluate", "predict"]
+           "impute_series", "run", "evaluate", "predict_main"]
 
 
 def _gap_mask(n: int, d: int, fraction: float, rng: np.random.Generator, n_gaps: int = 3) -> np.ndarray:
@@ -350,7 +350,7 @@ run, evaluate = FAMILY.run, FAMILY.evaluate
 
 # --------------------------------------------------------------------------- predict
 
-def predict(argv: list[str]) -> int:
+def predict_main(argv: list[str]) -> int:
     """``domainfm predict fim --input series.csv --output imputed.csv [--model NAME_OR_DIR] [--pretrained SRC]``."""
     import matplotlib
 

@@ -37,7 +37,7 @@ from domainfm.finetune.supervised import LoraSettings
 from domainfm.pretrain.wavetoken import ForecastRecipe
 
 __all__ = ["Config", "DataSection", "EvalSection", "FAMILY", "ForecastEvalRecipe", "HeldOutWindows", "build_task",
-           "run", "evaluate", "predict"]
+           "run", "evaluate", "predict_main"]
 
 
 @dataclass
@@ -277,7 +277,7 @@ def _items_contiguous(path: Path, item_id: str, chunk_rows: int) -> bool:
     return current is not None
 
 
-def predict(argv: list[str]) -> int:
+def predict_main(argv: list[str]) -> int:
     """``domainfm predict wavetoken --input series.csv --prediction-length 24 --output forecast.csv``."""
     import pandas as pd
 

@@ -6,7 +6,8 @@
     domainfm pretrain FAMILY [--config FILE] [--name RUN] [key=value ...]
     domainfm finetune FAMILY [--config FILE] [--name RUN] [key=value ...]
     domainfm evaluate RUN_DIR
-    domainfm predict FAMILY [family-specific arguments]
+    domainfm predict FAMILY --model MODEL_OR_RUN_DIR --input PATH --output PATH [family options]
+    domainfm embed FAMILY --model MODEL_OR_RUN_DIR --input PATH --output PATH [family options]
 
 A family plugs in by providing ``domainfm.<kind>.<family>`` (kind = pretrain or finetune) with a
 dataclass ``Config`` and ``run(cfg, run_dir) -> dict``; its default config is the shipped
@@ -236,12 +237,15 @@ def _cmd_evaluate(args) -> int:
     return 0
 
 
-def _cmd_predict(args) -> int:
+def _cmd_apply(command: str, args) -> int:
+    """``predict`` / ``embed``: ``domainfm.finetune.<family>.<command>_main(argv)`` parses the
+    family's arguments (``--model``, ``--input``, ``--output`` and its own) and writes the output."""
     module = family_entry("finetune", args.family)
-    if not hasattr(module, "predict"):
-        print(f"family {args.family!r} has no predict command", file=sys.stderr)
+    entry = getattr(module, f"{command}_main", None)
+    if entry is None:
+        print(f"family {args.family!r} has no {command} command", file=sys.stderr)
         return 2
-    return int(module.predict(args.rest) or 0)
+    return int(entry(args.rest) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,11 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides (e.g. data.root=OTHER)")
     p.set_defaults(func=_cmd_evaluate)
 
-    p = sub.add_parser("predict", help="family-specific prediction (e.g. forecasts)",
-                       description="Run FAMILY's predict command; arguments after FAMILY are the family's.")
-    p.add_argument("family")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_predict)
+    for command, what in (("predict", "predictions"), ("embed", "embeddings")):
+        p = sub.add_parser(command, help=f"apply a model to a file of the family's format: {what}",
+                           description=f"Write FAMILY's {what} for --input (the family's own file format) to "
+                                       f"--output with --model (a registered name, a saved model folder or a run "
+                                       f"folder); arguments after FAMILY are the family's (see "
+                                       f"`domainfm {command} FAMILY --help`).")
+        p.add_argument("family")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=lambda a, c=command: _cmd_apply(c, a))
     return parser
 
 

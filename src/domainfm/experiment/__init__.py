@@ -19,7 +19,7 @@ A family declares (see ``finetune/cbramod.py`` for the shortest example)::
 - :mod:`.run_folder`: ``RunFolder``, the owner of every file of ``runs/<family>/<name>/``.
 """
 from domainfm.experiment.config import ADAPT_MODES, ARM_INITS, AdaptSection, ExperimentConfig, ModelSection, StageSection
-from domainfm.experiment.family import ArmContext, Family, run_stage
+from domainfm.experiment.family import ArmContext, Family, Retained, run_stage
 from domainfm.experiment.report import aggregate_seeds, format_table, print_table, to_markdown
 from domainfm.experiment.run_folder import RunFolder, RunFolderError
 from domainfm.experiment.task import TaskData
@@ -27,6 +27,6 @@ from domainfm.experiment.weights import InitInfo, ModelSpec, WeightsUnavailable,
 
 __all__ = [
     "ADAPT_MODES", "ARM_INITS", "AdaptSection", "ArmContext", "ExperimentConfig", "Family", "InitInfo", "ModelSection",
-    "ModelSpec", "RunFolder", "RunFolderError", "StageSection", "TaskData", "WeightsUnavailable", "aggregate_seeds",
+    "ModelSpec", "Retained", "RunFolder", "RunFolderError", "StageSection", "TaskData", "WeightsUnavailable", "aggregate_seeds",
     "format_table", "print_table", "resolve", "run_stage", "to_markdown",
 ]

@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from domainfm.engine import Recipe, Trainer
+from domainfm.experiment import pictures
 from domainfm.experiment.config import ExperimentConfig, StageSection
 from domainfm.experiment.report import aggregate_seeds
 from domainfm.experiment.run_folder import RunFolder, RunFolderError
 from domainfm.experiment.task import TaskData
 from domainfm.experiment.weights import InitInfo, resolve
 
-__all__ = ["Family", "ArmContext", "run_stage"]
+__all__ = ["Family", "ArmContext", "Retained", "run_stage"]
 
 
 @dataclass
@@ -49,6 +50,50 @@ class ArmContext:
 
 
 Protocol = Callable[[ArmContext], dict[str, Any]]
+
+
+def _merge(result: dict[str, Any], out: dict[str, Any]) -> None:
+    """A protocol's results join the arm's; its ``pictures`` ({name: path}) join the arm's pictures."""
+    out = dict(out)
+    if "pictures" in out:
+        result.setdefault("pictures", {}).update(out.pop("pictures"))
+    result.update(out)
+
+
+@dataclass
+class Retained:
+    """A family's *retained capability*: something its pretrained model can do that the
+    downstream task does not train, scored on data outside the fine-tuning task. It is measured
+    on every arm before adaptation (``arms[ARM]["retained_before"]``; the pretrained arm's value is
+    the report's ``retained_before``) and after (``arms[ARM]["retained"]``), so that forgetting
+    reads as the difference.
+
+    Args:
+        fn: ``fn(ctx) -> {metric: value}``; ``ctx.model`` is in eval mode, gradients are off.
+        metric: the key of ``fn``'s output that summarises the capability (plotted against the
+            target metric).
+        direction: ``max`` when higher is better, ``min`` otherwise.
+        description: one line saying what is measured and on which data (copied into the report).
+    """
+
+    fn: Callable[[ArmContext], dict[str, Any]]
+    metric: str
+    direction: str = "max"
+    description: str = ""
+
+    def __post_init__(self):
+        if self.direction not in ("max", "min"):
+            raise ValueError(f"Retained.direction={self.direction!r}: expected 'max' or 'min'")
+
+    def __call__(self, ctx: ArmContext) -> dict[str, Any]:
+        was_training = ctx.model.training
+        ctx.model.eval()
+        with torch.no_grad():
+            out = dict(self.fn(ctx))
+        ctx.model.train(was_training)
+        if self.metric not in out:
+            raise KeyError(f"retained capability returned {sorted(out)}, without its metric {self.metric!r}")
+        return out
 
 
 def run_stage(stage: StageSection, stage_dir: Path, *, seed: int | None = None, resume: bool = False) -> dict[str, Any]:
@@ -104,7 +149,9 @@ class Family:
         head: module name(s) trained in ``linear_probe`` and kept trainable under LoRA, or
             ``fn(cfg, task) -> names`` when it depends on the task.
         prepare: ``fn(cfg, model, mode)`` after the shared mode preparation (e.g. refreeze buffers).
-        stage_source: which key of a stage's report gives the ``pretrained`` arm's weights.
+        selection: ``fn(cfg, task) -> (metric, direction)``, the checkpoint selection rule when
+            ``train.monitor`` is unset (default: the shared supervised rule for the task).
+        retained: the family's :class:`Retained` capability (forgetting), measured before and after.
     """
 
     name: str
@@ -117,6 +164,7 @@ class Family:
     head: str | Sequence[str] | Callable[[Any, TaskData], str | Sequence[str]] = "head"
     prepare: Callable[[Any, nn.Module, str], None] | None = None
     selection: Callable[[Any, TaskData], tuple[str, str]] | None = None
+    retained: Retained | None = None
 
     def __post_init__(self):
         if not (dataclasses.is_dataclass(self.config) and issubclass(self.config, ExperimentConfig)):
@@ -187,7 +235,9 @@ class Family:
             model.eval()
             with torch.no_grad():
                 for protocol in self.protocols_before:
-                    result.update(protocol(ctx))
+                    _merge(result, protocol(ctx))
+        if self.retained is not None:
+            result["retained_before"] = self.retained(ctx)
         total = sum(p.numel() for p in model.parameters())
         if mode != "none":
             head = self.head(cfg, task) if callable(self.head) else self.head
@@ -221,7 +271,10 @@ class Family:
         ctx.model, ctx.trainer, ctx.recipe = model, eval_trainer, recipe
         with torch.no_grad():
             for protocol in self.protocols:
-                result.update(protocol(ctx))
+                _merge(result, protocol(ctx))
+            _merge(result, pictures.arm_pictures(ctx))
+        if self.retained is not None:
+            result["retained"] = self.retained(ctx)
         if save:
             result["model_dir"] = str(save_pretrained(model, arm_dir / "model"))
         return result
@@ -263,6 +316,12 @@ class Family:
         first = next(iter(arms.values()))
         report["params"] = first.get("params", {})
         report["arms"] = arms
+        if self.retained is not None:
+            source = arms.get("pretrained") or first
+            report["retained_capability"] = {"metric": self.retained.metric, "direction": self.retained.direction,
+                                             "description": self.retained.description}
+            report["retained_before"] = source.get("retained_before", {})
+        report.update(pictures.run_pictures(report, folder.path))
         report["wall_time_s"] = round(time.perf_counter() - start, 2)
         return report
 
