@@ -226,3 +226,87 @@ def test_eval_collate_fn_is_used_for_evaluation_only():
     recipe.collate_fn, recipe.eval_collate_fn = train_collate, eval_collate
     Trainer(_cfg(max_epochs=1)).fit(recipe)
     assert calls == {"train": 4, "eval": 2}
+
+
+def _bare_loop_state(seed, steps, batch_size, lr, data, precision):
+    """An independent reference: the same optimizer, schedule and batch order, written plainly."""
+    torch.manual_seed(seed)
+    model = TinyNet(dropout=0.0)
+    # the engine's parameter groups (no decay on biases and norms) are tested on their own above
+    groups = build_param_groups(model, _cfg(lr=lr))
+    for g in groups:
+        g.pop("names", None)
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.05)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, 0, 0.0, "cosine"))
+    x, y = data.tensors
+    for s in range(steps):
+        idx = torch.arange(s * batch_size, (s + 1) * batch_size)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_trainer_equals_a_bare_loop(precision):
+    # the direct single-device path does the same arithmetic as a plain PyTorch loop
+    data = make_dataset()
+    steps, bs = 12, 16
+    reference = _bare_loop_state(3, steps, bs, 1e-2, data, precision)
+    torch.manual_seed(3)
+    model = TinyNet(dropout=0.0)
+    cfg = _cfg(max_steps=steps, batch_size=bs, shuffle=False, precision=precision, log_every_steps=5)
+    trainer = Trainer(cfg)
+    assert trainer.precision == precision
+    trainer.fit(ClassifyRecipe(model, data))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-6 if precision == "32-true" else 1e-5)
+
+
+def test_precision_auto_follows_the_hardware(monkeypatch):
+    from domainfm import precision as P
+
+    monkeypatch.delenv("DOMAINFM_PRECISION", raising=False)
+    monkeypatch.setattr(P, "_cpu_bf16_native", lambda: True)
+    assert P.resolve_precision("auto", "cpu") == "bf16-mixed"
+    assert Trainer(_cfg()).precision == "bf16-mixed"  # the default is auto
+    monkeypatch.setattr(P, "_cpu_bf16_native", lambda: False)
+    assert P.resolve_precision("auto", "cpu") == "32-true"
+    assert Trainer(_cfg()).precision == "32-true"
+    assert P.autocast_dtype("auto", "cpu") is None
+    monkeypatch.setenv("DOMAINFM_PRECISION", "bf16-mixed")
+    assert P.resolve_precision("auto", "cpu") == "bf16-mixed"
+    assert P.resolve_precision("32-true", "cpu") == "32-true"  # an explicit choice is kept
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="half")
+
+
+def test_csv_and_tensorboard_loggers_write_beside_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    torch.manual_seed(0)
+    cfg = _cfg(max_epochs=2, loggers=["jsonl", "csv", "tensorboard"], log_every_steps=4)
+    Trainer(cfg, run_dir=tmp_path).fit(ClassifyRecipe(TinyNet(), make_dataset(), make_dataset(seed=1)))
+    jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    csv_file = next((tmp_path / "logs" / "csv").rglob("metrics.csv"))
+    import csv
+
+    rows = list(csv.DictReader(csv_file.open()))
+    train_jsonl = [r for r in jsonl if r.get("split") == "train"]
+    train_csv = [r for r in rows if r.get("train/loss")]
+    assert [int(r["step"]) for r in train_csv] == [r["step"] for r in train_jsonl]
+    assert [float(r["train/loss"]) for r in train_csv] == pytest.approx([r["loss"] for r in train_jsonl])
+    assert any(r.get("val/accuracy") for r in rows)
+    events = list((tmp_path / "logs" / "tensorboard").rglob("events.out.tfevents*"))
+    assert events and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [r["step"] for r in train_jsonl]
+    with pytest.raises(ValueError, match="jsonl"):
+        TrainConfig(loggers=["csv"])
+    with pytest.raises(ValueError, match="unknown logger"):
+        TrainConfig(loggers=["jsonl", "wandb"])

@@ -27,7 +27,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -57,6 +57,35 @@ class ResumeError(RuntimeError):
 # --------------------------------------------------------------------------- config
 
 
+#: the metric writers ``train.loggers`` may name
+LOGGERS = ("jsonl", "csv", "tensorboard")
+
+
+def _accelerator_device(accelerator: str) -> str:
+    if accelerator in ("auto", "gpu", "cuda"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return accelerator if accelerator in ("cpu", "cuda", "mps") else "cpu"
+
+
+def _fabric_loggers(names: Sequence[str], run_dir: Path | None) -> list[Any]:
+    """Lightning Fabric's loggers for ``names`` other than jsonl (the engine's own writer)."""
+    if run_dir is None:
+        return []
+    out = []
+    if "csv" in names:
+        from lightning_fabric.loggers import CSVLogger
+
+        out.append(CSVLogger(str(run_dir / "logs"), name="csv", version=""))
+    if "tensorboard" in names:
+        try:
+            from lightning_fabric.loggers import TensorBoardLogger
+
+            out.append(TensorBoardLogger(str(run_dir / "logs"), name="tensorboard", version=""))
+        except ModuleNotFoundError as exc:
+            raise ValueError("train.loggers: tensorboard needs its package: pip install 'domainfm[tensorboard]'") from exc
+    return out
+
+
 @dataclass
 class TrainConfig:
     """Everything the engine needs; a recipe's YAML ``train:`` block is parsed into this.
@@ -82,7 +111,14 @@ class TrainConfig:
     min_lr: float = 0.0
     grad_accum: int = 1
     clip_grad_norm: float | None = None
-    precision: str = "32-true"
+    #: ``auto``: bf16 autocast with fp32 master weights where the device multiplies bf16 natively
+    #: (CPUs with AMX/AVX512-BF16, CUDA GPUs with bf16), fp32 elsewhere (see domainfm.precision);
+    #: or one of Lightning Fabric's names (``32-true``, ``bf16-mixed``, ...)
+    precision: str = "auto"
+    #: where metrics go: ``jsonl`` (RUN/metrics.jsonl, always kept: resume and pictures read it),
+    #: plus Lightning Fabric's ``csv`` (RUN/logs/csv) and ``tensorboard`` (RUN/logs/tensorboard;
+    #: ``pip install domainfm[tensorboard]``)
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
     accelerator: str = "auto"
     strategy: str = "auto"
     devices: int | str = 1
@@ -114,6 +150,17 @@ class TrainConfig:
             raise ValueError("train: set max_epochs >= 1 or max_steps")
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise ValueError(f"train.layer_decay={self.layer_decay}: expected a value in (0, 1]")
+        from domainfm.precision import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r}: expected one of {PRECISIONS}")
+        self.loggers = list(self.loggers)
+        unknown = sorted(set(self.loggers) - set(LOGGERS))
+        if unknown:
+            raise ValueError(f"train.loggers: unknown logger(s) {unknown}; expected some of {list(LOGGERS)}")
+        if "jsonl" not in self.loggers:
+            raise ValueError(f"train.loggers={self.loggers}: keep 'jsonl' (resume and the run's pictures read "
+                             "RUN/metrics.jsonl); add csv or tensorboard beside it")
         if self.early_stopping_patience is not None and self.monitor is None:
             raise ValueError("train.early_stopping_patience needs train.monitor (the metric to watch)")
 
@@ -327,18 +374,24 @@ class Trainer:
         if fabric is None:
             from lightning_fabric import Fabric
 
+            from domainfm.precision import resolve_precision
+
+            self.precision = resolve_precision(self.config.precision, _accelerator_device(self.config.accelerator))
             fabric = Fabric(
                 accelerator=self.config.accelerator,
                 strategy=self.config.strategy,
                 devices=self.config.devices,
                 num_nodes=self.config.num_nodes,
-                precision=self.config.precision,
+                precision=self.precision,
+                loggers=_fabric_loggers(self.config.loggers, self.run_dir),
             )
             if fabric.world_size > 1 and not getattr(fabric, "_launched", False):
                 # Under torchrun this only joins the process group; otherwise Fabric spawns
                 # the other processes itself.
                 fabric.launch()
         self.fabric = fabric
+        if not hasattr(self, "precision"):
+            self.precision = str(getattr(getattr(fabric, "_precision", None), "precision", self.config.precision))
         self.global_step = 0
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -364,6 +417,12 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(record) + "\n")
+            if self.fabric.loggers and isinstance(record.get("step"), int):
+                split = record.get("split", "event")
+                numbers = {f"{split}/{k}": float(v) for k, v in record.items()
+                           if k not in ("step", "split") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+                if numbers:
+                    self.fabric.log_dict(numbers, step=record["step"])
 
     def _loader(self, dataset: Dataset, collate_fn, *, train: bool) -> tuple[DataLoader, ResumableSampler]:
         cfg = self.config
@@ -565,14 +624,30 @@ class Trainer:
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         model, optimizer = self.fabric.setup(recipe.model, optimizer)
         self._model = model
+        raw_optimizer = getattr(optimizer, "optimizer", optimizer)
+        # One process on one device in fp32 or bf16 autocast: the step calls the module, backward
+        # and the optimizer directly (the same arithmetic as through Fabric's wrappers, without
+        # their per-call Python: input/output conversion, forward context, strategy dispatch).
+        direct = self.fabric.world_size == 1 and type(self.fabric.strategy).__name__ == "SingleDeviceStrategy" \
+            and self.precision in ("32-true", "bf16-mixed")
+        device = self.fabric.device
+        on_cpu = device.type == "cpu"
+        if direct:
+            import contextlib
+
+            autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if self.precision == "bf16-mixed" \
+                else contextlib.nullcontext
+            step_model = self._raw_model
+        else:
+            autocast, step_model = self.fabric.autocast, model
         loader, sampler = self._loader(recipe.train_dataset, recipe.collate_fn, train=True)
         steps_per_epoch = self._steps_per_epoch(sampler)
         total_steps = cfg.max_steps if cfg.max_steps is not None else steps_per_epoch * cfg.max_epochs
         max_epochs = cfg.max_epochs if cfg.max_steps is None else math.ceil(total_steps / steps_per_epoch)
         warmup = cfg.warmup_steps or int(round(cfg.warmup_ratio * total_steps))
         floor = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: warmup_cosine(s, total_steps, warmup, floor, cfg.schedule)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(  # on the optimizer itself: the direct path steps it
+            raw_optimizer, lambda s: warmup_cosine(s, total_steps, warmup, floor, cfg.schedule)
         )
 
         last = self.checkpoint_dir / "last.ckpt" if self.checkpoint_dir is not None else None
@@ -599,8 +674,10 @@ class Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=total_steps, initial=self.global_step, desc="train", dynamic_ncols=True, leave=False)
-        running_loss = torch.zeros((), dtype=torch.float64)
+        running_loss = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync per step
+        nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         running_n = 0
+        first_unchecked = self.global_step
         model.train()
         try:
             while self.epoch < max_epochs and self.global_step < total_steps:
@@ -613,15 +690,25 @@ class Trainer:
                 for batch in loader:
                     if micro >= micro_limit:
                         break
-                    batch = self.fabric.to_device(batch)
+                    if not on_cpu:
+                        batch = self.fabric.to_device(batch)
                     accumulating = (micro + 1) % micro_per_step != 0
-                    with self.fabric.no_backward_sync(model, enabled=accumulating):
-                        with self.fabric.autocast():
-                            loss, logs = recipe.step(model, batch)
-                        if not torch.isfinite(loss.detach()):
+                    if direct:
+                        with autocast():
+                            loss, logs = recipe.step(step_model, batch)
+                        if on_cpu and not torch.isfinite(loss.detach()):
                             raise FloatingPointError(f"loss is {float(loss)} at step {self.global_step}")
-                        self.fabric.backward(loss / micro_per_step)
-                    running_loss += loss.detach().double().cpu()
+                        (loss / micro_per_step).backward()
+                    else:
+                        with self.fabric.no_backward_sync(model, enabled=accumulating):
+                            with autocast():
+                                loss, logs = recipe.step(model, batch)
+                            if on_cpu and not torch.isfinite(loss.detach()):
+                                raise FloatingPointError(f"loss is {float(loss)} at step {self.global_step}")
+                            self.fabric.backward(loss / micro_per_step)
+                    if not on_cpu:  # checked at the next log step, without a host sync per step
+                        nonfinite |= ~torch.isfinite(loss.detach())
+                    running_loss += loss.detach().double()
                     running_n += 1
                     micro += 1
                     if accumulating:
@@ -629,8 +716,12 @@ class Trainer:
                     if cfg.clip_grad_norm is not None:
                         self.fabric.clip_gradients(model, optimizer, max_norm=cfg.clip_grad_norm, error_if_nonfinite=False)
                     recipe.before_optimizer_step(optimizer, self.global_step, total_steps)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    if direct:
+                        raw_optimizer.step()
+                        raw_optimizer.zero_grad(set_to_none=True)
+                    else:
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
                     self.global_step += 1
                     self.batch_in_epoch += 1
@@ -638,6 +729,10 @@ class Trainer:
                     if bar is not None:
                         bar.update(1)
                     if self.global_step % cfg.log_every_steps == 0 or self.global_step == total_steps:
+                        if not on_cpu and bool(nonfinite):
+                            raise FloatingPointError(f"the loss was not finite between step {first_unchecked} "
+                                                     f"and step {self.global_step}")
+                        first_unchecked = self.global_step
                         record = {"split": "train", "step": self.global_step, "epoch": self.epoch,
                                   "loss": float(running_loss / max(1, running_n)), "lr": optimizer.param_groups[0]["lr"]}
                         record.update({k: _to_float(v) for k, v in logs.items() if k != "loss"})
@@ -669,6 +764,8 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            for logger in self.fabric.loggers:
+                logger.finalize("success")
         if best_path is not None and Path(best_path).is_file() and not self._sharded():
             # the caller gets the selected model, never the last epoch's by accident
             from safetensors.torch import load_model
