@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["add_model_arguments", "load_model", "resolve_model_dir"]
+__all__ = ["add_model_arguments", "load_model", "resolve_model_dir", "run_config", "run_report"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str | None = None) -> None:
@@ -67,3 +67,37 @@ def load_model(model: str | Path | nn.Module, *, arm: str | None = None, pretrai
     if model_dir is not None:
         return create_model(model_dir, **kwargs).eval()
     return create_model(str(model), pretrained=True if pretrained is None else pretrained, **kwargs).eval()
+
+
+def _run_root(model: str | Path) -> Path | None:
+    path = Path(str(model))
+    if path.is_dir() and (path / "report.json").is_file() and (path / "config.yaml").is_file():
+        return path
+    # a model folder inside a run (RUN/<arm>/model or RUN/<arm>/seed-k/model)
+    for parent in list(path.parents)[:3]:
+        if (parent / "report.json").is_file() and (parent / "config.yaml").is_file():
+            return parent
+    return None
+
+
+def run_config(model: str | Path, config_cls: type) -> Any | None:
+    """The config a run was trained with, when ``model`` is a run folder (or a model folder
+    inside one), parsed into ``config_cls``; None otherwise. Predict/embed reuse its data
+    settings (windowing, channels, normalisation, sub-slicing) so that inputs are prepared as in
+    training."""
+    root = _run_root(model)
+    if root is None:
+        return None
+    from domainfm import config as cfgmod
+
+    return cfgmod.from_dict(config_cls, cfgmod.load_yaml(root / "config.yaml"))
+
+
+def run_report(model: str | Path) -> dict[str, Any] | None:
+    """The run's ``report.json`` (e.g. its class names) when ``model`` is, or is inside, a run folder."""
+    root = _run_root(model)
+    if root is None:
+        return None
+    import json
+
+    return json.loads((root / "report.json").read_text())
