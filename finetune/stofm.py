@@ -31,12 +31,13 @@ from torch import nn
 
 from domainfm.data_loaders import spatial
 from domainfm.engine import TrainConfig
-from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, TaskData
+from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, Retained, TaskData
 from domainfm.finetune.supervised import LoraSettings, SupervisedRecipe
 from domainfm.pretrain.stofm import CellEncoderSection, SliceSettings, build_cell_encoder
 
 __all__ = ["Config", "DataSection", "FAMILY", "embed", "subslice_features", "build_task", "clustering_protocol",
-           "CellTaskDataset", "collate_cells", "run", "evaluate", "LORA_TARGETS"]
+           "CellTaskDataset", "collate_cells", "run", "evaluate", "LORA_TARGETS", "predict", "predict_main",
+           "embed_main", "retained_cell_types"]
 
 LORA_TARGETS = ["encoder.layers.*.self_attn.q_proj", "encoder.layers.*.self_attn.k_proj",
                 "encoder.layers.*.self_attn.v_proj", "encoder.layers.*.self_attn.out_proj",
@@ -164,6 +165,8 @@ class Config(ExperimentConfig):
     #: zero-shot clustering / baselines: Leiden resolution and PCA components
     cluster_resolution: float = 1.0
     pca_components: int = 50
+    #: retained capability (forgetting): an obs column the task does not train on
+    retained_label_key: str = "cell_type"
     model: ModelSection = field(default_factory=lambda: ModelSection(name="stofm-base", pretrained=None))
     adapt: AdaptSection = field(default_factory=lambda: AdaptSection(
         lora=LoraSettings(targets=list(LORA_TARGETS), rank=8, alpha=16.0)))
@@ -331,6 +334,28 @@ def clustering_protocol(ctx) -> dict[str, Any]:
     return result
 
 
+def retained_cell_types(ctx) -> dict[str, Any]:
+    """Retained capability: how well the arm's cell embeddings still separate a labelling the
+    fine-tuning task does not train (``retained_label_key``, default cell types when the task is
+    regions): a logistic-regression probe on frozen embeddings (train/test = the task's split) and
+    zero-shot Leiden ARI. Same cells as the task (the slice is the context), other labels."""
+    cfg, task = ctx.cfg, ctx.task
+    adata = task.extras["adata"]
+    key = cfg.retained_label_key
+    if key == cfg.data.label_key or key not in adata.obs:
+        why = "it is the fine-tuning label" if key == cfg.data.label_key else f"obs has no {key!r}"
+        return {"balanced_accuracy": float("nan"), "skipped": f"retained_label_key={key!r}: {why}"}
+    raw = adata.obs[key].astype(str).to_numpy()
+    labels = np.searchsorted(np.array(sorted(set(raw))), raw)
+    features = subslice_features(ctx.model, task.extras["subslices"], len(labels), batch_size=cfg.train.batch_size)
+    split = task.extras["split"]
+    probe = _probe_scores(features, labels, {"train": split["train"], "val": np.array([], dtype=int),
+                                             "test": np.concatenate([split["val"], split["test"]])})["test"]
+    clusters = _cluster_scores(features, labels, cfg.cluster_resolution, cfg.train.seed)
+    return {"balanced_accuracy": probe["balanced_accuracy"], "f1_macro": probe["f1_macro"],
+            "leiden_ari": clusters["ari"], "label_key": key}
+
+
 FAMILY = Family(
     name="stofm",
     config=Config,
@@ -339,6 +364,9 @@ FAMILY = Family(
     recipe=lambda cfg, model, task: _recipe(model, task),
     protocols_before=[clustering_protocol],
     head="head",
+    retained=Retained(retained_cell_types, metric="balanced_accuracy", direction="max",
+                      description="logistic-regression probe (balanced accuracy) and Leiden ARI of the cell "
+                                  "embeddings on labels not fine-tuned on (retained_label_key, default cell_type)"),
 )
 run, evaluate = FAMILY.run, FAMILY.evaluate
 
@@ -348,3 +376,151 @@ def _recipe(model, task):
                         collate_fn=task.collate_fn)
     recipe.eval_collate_fn = task.eval_collate_fn
     return recipe
+
+
+# ------------------------------------------------------------------------------ predict / embed CLI
+
+
+def _slice_settings(model_arg, args) -> tuple[DataSection, int, list[str] | None]:
+    """The sub-slice settings of the run ``model_arg`` belongs to (so that cells are encoded and
+    grouped as in training), else the defaults with the command line's cell encoder; and the run's
+    class names when known."""
+    import dataclasses
+
+    from domainfm.experiment.inference import run_config, run_report
+
+    cfg = run_config(model_arg, Config)
+    data = cfg.data if cfg is not None else DataSection()
+    if args.cell_encoder is not None:
+        data = dataclasses.replace(data, cell_encoder=_encoder_section(args.cell_encoder))
+    for name in ("spatial_key", "layer", "embedding_key"):
+        if getattr(args, name) is not None:
+            data = dataclasses.replace(data, **{name: getattr(args, name)})
+    if args.cells_per_subslice is not None:
+        data = dataclasses.replace(data, cells_per_subslice=args.cells_per_subslice)
+    report = run_report(model_arg)
+    classes = (report or {}).get("data", {}).get("classes")
+    return data, (data.split_seed if cfg is not None else 0), classes
+
+
+@torch.no_grad()
+def predict(adata, model: nn.Module, data: DataSection | None = None, *, classes: list[str] | None = None,
+            batch_size: int = 4, seed: int = 0, precision: str = "auto", source: str | None = None):
+    """Per-cell class probabilities of a fine-tuned SToFM classifier: a DataFrame indexed by
+    ``obs_names`` with ``predicted`` and one ``p_<class>`` column per class (rows sum to 1)."""
+    import pandas as pd
+
+    from domainfm.precision import autocast
+    from domainfm.pretrain.stofm import slice_subslices
+
+    data = data or DataSection()
+    if getattr(model, "head", None) is None:
+        raise ValueError("predict stofm: the model has no classification head; use `domainfm embed stofm` "
+                         "for embeddings, or pass a fine-tuned model / run folder")
+    subs, _ = slice_subslices(adata, data, seed=seed, source=source)
+    model.eval()
+    device = next(model.parameters()).device
+    probs = None
+    for start in range(0, len(subs), batch_size):
+        batch = spatial.collate_subslices(subs[start:start + batch_size])
+        with autocast(precision, device):
+            logits = model(batch["token_embeddings"].to(device), batch["distances"].to(device),
+                           batch["token_types"].to(device))
+        p = torch.softmax(logits.float(), dim=-1).cpu()
+        if probs is None:
+            probs = np.full((adata.n_obs, p.shape[-1]), np.nan, dtype=np.float64)
+        index = batch["cell_index"]
+        cells = index >= 0
+        probs[index[cells].numpy()] = p[cells].double().numpy()
+    if np.isnan(probs).any():
+        missing = int(np.isnan(probs).any(axis=1).sum())
+        raise RuntimeError(f"predict stofm: {missing} cells fell in no sub-slice")
+    names = list(classes) if classes and len(classes) == probs.shape[1] else [str(i) for i in range(probs.shape[1])]
+    frame = pd.DataFrame(probs, index=adata.obs_names, columns=[f"p_{c}" for c in names])
+    frame.insert(0, "predicted", np.asarray(names, dtype=object)[probs.argmax(1)])
+    frame.index.name = "cell"
+    return frame
+
+
+def _cli(command: str, argv: list[str]):
+    import argparse
+
+    from domainfm.experiment.inference import add_model_arguments
+
+    parser = argparse.ArgumentParser(
+        prog=f"domainfm {command} stofm",
+        description=("Per-cell class probabilities of a fine-tuned SToFM (CSV: cell, predicted, p_<class>)"
+                     if command == "predict" else
+                     "SToFM cell embeddings: --output .h5ad (the input with obsm[--key-added]) or .npz (cells, X)")
+        + ". --input: an .h5ad slice with counts and obsm['spatial']. With a run folder as --model, cells are "
+          "encoded and grouped into sub-slices with the run's own data settings.")
+    add_model_arguments(parser)
+    parser.add_argument("--cell-encoder", default=None, help="the cell encoder (default: the run's, else a seeded "
+                                                              "random stofm-cell-encoder, with a warning)")
+    parser.add_argument("--spatial-key", default=None)
+    parser.add_argument("--layer", default=None)
+    parser.add_argument("--embedding-key", default=None, help="precomputed cell embeddings in obsm")
+    parser.add_argument("--cells-per-subslice", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=4)
+    if command == "embed":
+        parser.add_argument("--key-added", default="X_stofm")
+    args = parser.parse_args(argv)
+    return args
+
+
+def _read_input(path: str):
+    import anndata as ad
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such file (--input: an .h5ad slice)")
+    if p.suffix != ".h5ad":
+        raise spatial.SpatialDataError(f"{p}: expected an .h5ad file (AnnData), got {p.suffix or 'no suffix'!r}")
+    adata = ad.read_h5ad(p)
+    return adata
+
+
+def predict_main(argv: list[str]) -> int:
+    """``domainfm predict stofm --model RUN_OR_DIR --input slice.h5ad --output cells.csv``."""
+    from domainfm.atomic import atomic_path
+    from domainfm.experiment.inference import load_model
+
+    args = _cli("predict", argv)
+    adata = _read_input(args.input)
+    data, seed, classes = _slice_settings(args.model, args)
+    spatial.validate(adata, spatial_key=data.spatial_key, layer=data.layer, source=args.input)
+    model = load_model(args.model, arm=args.arm, pretrained=args.pretrained).to(args.device)
+    frame = predict(adata, model, data, classes=classes, batch_size=args.batch_size, seed=seed,
+                    precision=args.precision, source=args.input)
+    with atomic_path(Path(args.output)) as tmp:
+        frame.to_csv(tmp)
+    print(f"predict stofm: {len(frame)} cells, {frame.shape[1] - 1} classes -> {args.output}")
+    return 0
+
+
+def embed_main(argv: list[str]) -> int:
+    """``domainfm embed stofm --model RUN_OR_DIR --input slice.h5ad --output out.h5ad|out.npz``."""
+    from domainfm.atomic import atomic_path
+    from domainfm.experiment.inference import load_model
+    from domainfm.precision import autocast
+    from domainfm.pretrain.stofm import slice_subslices
+
+    args = _cli("embed", argv)
+    out = Path(args.output)
+    if out.suffix not in (".h5ad", ".npz"):
+        raise ValueError(f"--output {out}: expected .h5ad (the input with obsm[{args.key_added!r}]) or .npz")
+    adata = _read_input(args.input)
+    data, seed, _ = _slice_settings(args.model, args)
+    model = load_model(args.model, arm=args.arm, pretrained=args.pretrained).to(args.device)
+    subs, _ = slice_subslices(adata, data, seed=seed, source=args.input)
+    with autocast(args.precision, args.device):
+        features = subslice_features(model, subs, adata.n_obs, batch_size=args.batch_size)
+    with atomic_path(out) as tmp:
+        if out.suffix == ".npz":
+            with open(tmp, "wb") as fh:
+                np.savez(fh, cells=np.asarray(adata.obs_names, dtype=str), X=features)
+        else:
+            adata.obsm[args.key_added] = features
+            adata.write_h5ad(tmp)
+    print(f"embed stofm: {features.shape[0]} cells x {features.shape[1]} -> {out}")
+    return 0
