@@ -2,14 +2,15 @@
 
 Variants: ``wavetoken-{test,tiny,mini,small,base}`` (wavelet tokenizer, 1024 tokens) and
 ``chronos-t5-{test,tiny,mini,small,base,large}`` (Chronos's mean-scale tokenizer, 4096 tokens),
-with Chronos's T5 sizes. Chronos weights in Hugging Face layout load with
-``create_model("chronos-t5-tiny", pretrained=DIR)`` or :func:`load_chronos` (``"hf://amazon/chronos-t5-tiny"``).
+with Chronos's T5 sizes. ``create_model("chronos-t5-tiny", pretrained=True)`` fetches and verifies
+``hf://amazon/chronos-t5-tiny`` (config.json + model.safetensors); a local copy of such a
+repository loads with ``pretrained=DIR`` or :func:`load_chronos`.
 """
 from __future__ import annotations
 
 import torch
 
-from domainfm.zoo import register_model
+from domainfm.zoo import WeightSource, register_model
 
 from .convert import CHRONOS_SHA256, apply_chronos_config, convert_hf_t5, load_chronos
 from .forecast import DEFAULT_QUANTILES, TokenForecaster, filter_logits
@@ -82,18 +83,32 @@ def _register_wavetoken(size: str, t5: dict, *, context_length=512, prediction_l
     )(_build)
 
 
-def _register_chronos(size: str, t5: dict, *, n_tokens=4096, context_length=512, prediction_length=64, tags=(), extra=None):
+def _chronos_weights(size: str) -> list:
+    """The published Chronos-T5 repository (config.json + model.safetensors), Apache-2.0.
+
+    No full sha256 and no commit could be confirmed offline for these files (see CHRONOS_SHA256):
+    each file is verified against the sha256 the Hub publishes for it, and the digest seen on
+    first download is recorded in ``$DOMAINFM_HOME/weights.lock.json`` and enforced after."""
+    repo = f"amazon/chronos-t5-{size}"
+    digests = CHRONOS_SHA256.get(repo, {})
+    return [WeightSource(
+        f"hf://{repo}", sha256=digests.get("model.safetensors"), converter="hf_t5", license="Apache-2.0",
+        description=f"Chronos-T5 ({size}) pretrained by Amazon on public + synthetic (KernelSynth/TSMix) series",
+        note="no pinned sha256/revision confirmed offline: the Hub's published digest + the lock file")]
+
+
+def _register_chronos(size: str, t5: dict, *, n_tokens=4096, context_length=512, prediction_length=64, tags=(), extra=None,
+                      weights=()):
     defaults = {**_COMMON, **t5, "tokenizer": "chronos", "vocab_size": n_tokens, "context_length": context_length,
                 "prediction_length": prediction_length,
                 "tokenizer_kwargs": {"low_limit": -15.0, "high_limit": 15.0}, **(extra or {})}
     register_model(
         f"chronos-t5-{size}", family="wavetoken", paper=CHRONOS_PAPER, license="Apache-2.0",
         description=f"Chronos-T5 ({size}) on the WaveToken engine: mean scaling + uniform bins, {n_tokens} tokens. "
-                    f"Weights: hf://amazon/chronos-t5-{size} (load with load_chronos or pretrained=DIR)",
+                    + (f"Weights: hf://amazon/chronos-t5-{size} (pretrained=True)" if weights else ""),
         input_spec={"n_chans": 1, "n_times": context_length, "prediction_length": prediction_length,
                     "tokenizer": "chronos", "vocab_size": n_tokens},
-        # No weight source: the published files' sha256 could not be confirmed offline (see CHRONOS_SHA256).
-        defaults=defaults, converters={"hf_t5": convert_hf_t5}, head="lm_head", tags=tags,
+        weights=list(weights), defaults=defaults, converters={"hf_t5": convert_hf_t5}, head="lm_head", tags=tags,
         example_input=_example(context_length, n_tokens),
     )(_build)
 
@@ -107,4 +122,5 @@ for _size in ("tiny", "mini", "small", "base"):
 
 _register_chronos("test", _TEST_T5, n_tokens=512, context_length=64, prediction_length=16, tags=("test",))
 for _size in ("tiny", "mini", "small", "base", "large"):
-    _register_chronos(_size, T5_SIZES[_size])
+    _register_chronos(_size, T5_SIZES[_size], weights=_chronos_weights(_size))
+from . import chronos_bolt  # noqa: E402,F401  (registers chronos-bolt-*; see chronos_bolt.py)
