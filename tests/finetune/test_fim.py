@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from domainfm import cli
 from domainfm.data_loaders.gapped_series import GappedSeriesError
@@ -155,3 +156,31 @@ def test_finetune_on_a_users_series(tmp_path):
     gaps = arm["imputation"]["series_artificial_gaps"]
     for method in ("fim", "linear", "spline"):
         assert set(gaps[method]) == {"mae", "rmse", "mre", "r2"} and np.isfinite(gaps[method]["mae"])
+    # forgetting: the retained capability (zero-shot imputation of ODE trajectories) before and after
+    assert report["retained_capability"]["metric"] == "r2"
+    assert set(report["retained_before"]["systems"]) == set(arm["retained"]["systems"]) == {
+        "lorenz", "van_der_pol", "lotka_volterra"}
+    assert np.isfinite(report["retained_before"]["r2"]) and np.isfinite(arm["retained"]["mae"])
+    # the run folder itself serves as --model (its arm's saved model)
+    out = tmp_path / "imputed.csv"
+    assert cli.main(["predict", "fim", "--input", str(tmp_path / "s.csv"), "--output", str(out),
+                     "--model", str(tmp_path / "runs" / "fim" / "ft"), "--window-points", "40"]) == 0
+    assert pd.read_csv(out)[["a", "b"]].notna().all().all()
+
+
+def test_holdout_per_sample_loss_matches_the_step():
+    from domainfm import create_model
+    from domainfm.finetune.fim import HoldoutRecipe
+
+    torch.manual_seed(0)
+    model = create_model("fim-imputation-test").eval()
+    t = torch.linspace(0, 1, 24).expand(3, 24)
+    values = torch.sin(6 * t).unsqueeze(-1)
+    hidden = torch.zeros(3, 24, 1, dtype=torch.bool)
+    hidden[:, 5:9] = True  # the same number hidden in every series: the means agree
+    batch = (t, values, ~hidden, hidden)
+    recipe = HoldoutRecipe(model, None)
+    loss, _ = recipe.step(model, batch)
+    per = recipe.per_sample_loss(model, batch)
+    assert per.shape == (3,)
+    torch.testing.assert_close(per.mean(), loss)
