@@ -96,18 +96,31 @@ class SupervisedRecipe(Recipe):
         self.forward_fn = forward_fn or (lambda m, x: m(x))
         self.collate_fn = collate_fn
 
-    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         if self.task == "multiclass":
-            return F.cross_entropy(out.float(), y.long(), label_smoothing=self.label_smoothing)
+            return F.cross_entropy(out.float(), y.long(), label_smoothing=self.label_smoothing, reduction=reduction)
         out = out.float().reshape(-1)
         if self.task == "binary":
-            return F.binary_cross_entropy_with_logits(out, y.float().reshape(-1))
-        return F.mse_loss(out, y.float().reshape(-1))
+            return F.binary_cross_entropy_with_logits(out, y.float().reshape(-1), reduction=reduction)
+        return F.mse_loss(out, y.float().reshape(-1), reduction=reduction)
 
     def step(self, model, batch):
         x, y = batch
         loss = self._loss(self.forward_fn(model, x), y)
         return loss, {"loss": loss.detach()}
+
+    def per_sample_loss(self, model, batch) -> torch.Tensor:
+        """The training loss of each sample of a training batch, unreduced: ``(B,)``; its mean is
+        :meth:`step`'s loss. FLOW (``adapt.sample_weighting=flow``) weights these."""
+        x, y = batch
+        return self._loss(self.forward_fn(model, x), y, reduction="none").reshape(len(y))
+
+    def logits(self, model, batch) -> torch.Tensor:
+        """The model's class logits for an evaluation batch: ``(B, K)`` (multiclass) or ``(B,)``
+        (binary, one logit); what DaWin's entropies are computed from."""
+        x, y = batch
+        out = self.forward_fn(model, x).float()
+        return out if self.task == "multiclass" else out.reshape(len(y))
 
     def eval_step(self, model, batch):
         x, y = batch
