@@ -34,11 +34,12 @@ from torch.utils.data import Dataset
 
 from domainfm.data_loaders import wearables as W
 from domainfm.engine import TrainConfig
-from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, TaskData
+from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
 from domainfm.finetune.supervised import LoraSettings
 
 __all__ = ["Config", "DataSection", "ProbeSection", "FAMILY", "build_task", "probe_protocol", "handmade_features",
-           "linear_probe", "run", "evaluate"]
+           "linear_probe", "run", "evaluate", "read_weeks", "predict", "embed", "predict_main", "embed_main",
+           "retained_other_tasks"]
 
 LORA_TARGETS = ["layers.*.mixer.in_proj", "layers.*.mixer.out_proj"]
 SYNTHETIC_NOTE = ("synthetic: SIMULATED cohort (data_loaders/wearables_synthetic.py); labels are functions of the "
@@ -366,6 +367,21 @@ def _model_kwargs(cfg: Config, task: TaskData) -> dict[str, Any]:
             "zscore_mean": mean, "zscore_std": std}
 
 
+def retained_other_tasks(ctx: ArmContext) -> dict[str, Any]:
+    """Retained capability: linear-probe AUROC (the OpenMHC protocol of :func:`probe_protocol`) of
+    this arm's frozen embeddings on the binary tasks the fine-tuning target is not (the other
+    participant labels and the weekly ones), test participants; their mean is the summary."""
+    cfg, task = ctx.cfg, ctx.task
+    others = [c for c in task.extras["labels"].columns if c != cfg.target]
+    weekly = [c for c in task.extras["week_labels"].columns if c != cfg.target]
+    import dataclasses
+
+    probe_cfg = dataclasses.replace(cfg, probe=dataclasses.replace(cfg.probe, tasks=others, weekly_tasks=weekly))
+    scores = _probe_all(probe_cfg, task, _embed(ctx.model, task, cfg.probe.batch_size))
+    aurocs = {k: v["auroc"] for k, v in scores.items() if "auroc" in v and np.isfinite(v["auroc"])}
+    return {"auroc": float(np.mean(list(aurocs.values()))) if aurocs else float("nan"), "tasks": aurocs}
+
+
 FAMILY = Family(
     name="wearables",
     config=Config,
@@ -373,5 +389,140 @@ FAMILY = Family(
     model_kwargs=_model_kwargs,
     protocols_before=[probe_protocol],
     head="head",
+    retained=Retained(retained_other_tasks, metric="auroc", direction="max",
+                      description="mean linear-probe AUROC of the frozen embeddings on the labels other than the "
+                                  "fine-tuning target (participant and weekly tasks; test participants)"),
 )
 run, evaluate = FAMILY.run, FAMILY.evaluate
+
+
+# ----------------------------------------------------------------------------- predict / embed
+
+
+def read_weeks(path: str, model, *, min_hours: int = 24, tz: str | None = None) -> W.Weeks:
+    """A participant's file -> the model's weeks (its variables, in its order; values in the
+    variables' units, z-scored inside the model as in training): an Apple Health ``export.xml``
+    (:func:`~domainfm.data_loaders.wearables.read_healthkit`), a long CSV/Parquet ``timestamp,
+    variable, value`` (:func:`~domainfm.data_loaders.wearables.read_long`) or a Fitbit export folder."""
+    from pathlib import Path
+
+    variables = list(getattr(model, "variables", None) or [])
+    if not variables:
+        raise ValueError("the model records no variable names (WBM(variables=...)); it cannot map a file's columns")
+    p = Path(path)
+    if p.is_dir():
+        table = W.read_fitbit(p, variables=[v for v in variables if v in W.VARIABLES] or None, tz=tz)
+    elif not p.is_file():
+        raise FileNotFoundError(f"{p}: no such file (--input: export.xml, a long CSV/Parquet or a Fitbit folder)")
+    elif p.suffix.lower() == ".xml":
+        table = W.read_healthkit(p, variables=[v for v in variables if v in W.VARIABLES])
+    elif p.suffix.lower() in (".csv", ".parquet"):
+        table = W.read_long(p)
+    else:
+        raise W.HealthDataError(f"{p}: expected an Apple Health export.xml, a long .csv/.parquet (timestamp, "
+                                f"variable, value) or a Fitbit folder, got {p.suffix or 'no suffix'!r}")
+    present = [v for v in variables if v in table.columns and table[v].notna().any()]
+    if not present:
+        raise W.HealthDataError(f"{p}: none of the model's variables {variables} is in the file (it has "
+                                f"{list(table.columns)})")
+    identity = W.ZScoreStats(tuple(variables), np.zeros(len(variables)), np.ones(len(variables)))
+    weeks = W.to_weeks(table, variables=variables, stats=identity, min_hours=min_hours)
+    if not len(weeks.values):
+        raise W.HealthDataError(f"{p}: no week with at least {min_hours} observed hours")
+    return weeks
+
+
+@torch.no_grad()
+def _apply(model, weeks: W.Weeks, what: str, precision: str, device, batch_size: int = 64) -> np.ndarray:
+    from domainfm.precision import autocast
+
+    model.eval()
+    out = []
+    for i in range(0, len(weeks.values), batch_size):
+        v = torch.as_tensor(weeks.values[i:i + batch_size], dtype=torch.float32, device=device)
+        o = torch.as_tensor(weeks.observed[i:i + batch_size], dtype=torch.bool, device=device)
+        with autocast(precision, device):
+            y = model.forward_features(v, o, raw=True) if what == "embed" else model(v, o, raw=True)
+        out.append(y.float().cpu().numpy())
+    return np.concatenate(out)
+
+
+def _frame(weeks: W.Weeks) -> pd.DataFrame:
+    starts = pd.DatetimeIndex(weeks.week_starts)
+    return pd.DataFrame({"week_start": starts, "week_end": starts + pd.Timedelta(hours=168),
+                         "hours_observed": weeks.observed.any(-1).sum(-1)})
+
+
+def predict(path: str, model, *, target: str = "output", task: str = "binary", min_hours: int = 24,
+            precision: str = "auto", device: str = "cpu") -> pd.DataFrame:
+    """Per-week predictions of a fine-tuned WBM: ``week_start, week_end, hours_observed`` and
+    ``p_<target>`` (binary: the sigmoid of the head) or ``<target>`` (regression)."""
+    weeks = read_weeks(path, model, min_hours=min_hours)
+    out = _apply(model, weeks, "predict", precision, device).reshape(len(weeks.values), -1)[:, 0]
+    frame = _frame(weeks)
+    if task == "binary":
+        frame[f"p_{target}"] = 1.0 / (1.0 + np.exp(-out))
+    else:
+        frame[target] = out
+    return frame
+
+
+def embed(path: str, model, *, min_hours: int = 24, precision: str = "auto", device: str = "cpu"):
+    """(the weeks' frame, embeddings ``(W, num_features)``)."""
+    weeks = read_weeks(path, model, min_hours=min_hours)
+    return _frame(weeks), _apply(model, weeks, "embed", precision, device)
+
+
+def _parse(command: str, argv: list[str]):
+    import argparse
+
+    from domainfm.experiment.inference import add_model_arguments
+
+    parser = argparse.ArgumentParser(
+        prog=f"domainfm {command} wearables",
+        description=("Per-week predictions of a fine-tuned WBM (CSV: week_start, week_end, hours_observed, "
+                     "p_<target>)" if command == "predict" else "Per-week WBM embeddings (.npz: week_start, X)")
+        + ". --input: an Apple Health export.xml, a long CSV/Parquet (timestamp, variable, value) or a Fitbit "
+          "export folder of one participant.")
+    add_model_arguments(parser)
+    parser.add_argument("--min-hours", type=int, default=24, help="drop weeks with fewer observed hours")
+    return parser.parse_args(argv)
+
+
+def _load_for_apply(args):
+    from domainfm.experiment.inference import load_model, run_report
+
+    model = load_model(args.model, arm=args.arm, pretrained=args.pretrained).to(args.device)
+    report = run_report(args.model) or {}
+    return model, report
+
+
+def predict_main(argv: list[str]) -> int:
+    """``domainfm predict wearables --model RUN_OR_DIR --input export.xml --output weeks.csv``."""
+    from domainfm.atomic import atomic_write_text
+
+    args = _parse("predict", argv)
+    model, report = _load_for_apply(args)
+    if getattr(model, "head", None) is None:
+        raise ValueError(f"predict wearables: {args.model} has no head; use `domainfm embed wearables`")
+    target = report.get("data", {}).get("target") or "output"
+    frame = predict(args.input, model, target=target, task=report.get("task", "binary"), min_hours=args.min_hours,
+                    precision=args.precision, device=args.device)
+    atomic_write_text(args.output, frame.to_csv(index=False))
+    print(f"predict wearables: {len(frame)} weeks -> {args.output}")
+    return 0
+
+
+def embed_main(argv: list[str]) -> int:
+    """``domainfm embed wearables --model RUN_OR_DIR --input export.xml --output weeks.npz``."""
+    from domainfm.atomic import atomic_path
+
+    args = _parse("embed", argv)
+    model, _ = _load_for_apply(args)
+    frame, features = embed(args.input, model, min_hours=args.min_hours, precision=args.precision, device=args.device)
+    with atomic_path(args.output) as tmp:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, week_start=frame["week_start"].astype(str).to_numpy(), X=features,
+                     hours_observed=frame["hours_observed"].to_numpy())
+    print(f"embed wearables: {features.shape[0]} weeks x {features.shape[1]} -> {args.output}")
+    return 0

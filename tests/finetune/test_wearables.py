@@ -68,3 +68,58 @@ def test_probe_evaluation_through_cli(tmp_path):
     assert report["params"]["trainable"] == 33  # linear probe: the head (32 + 1) only
     assert report["data"]["participants"] == 30 and report["data"]["test_weeks"] == 12  # 6 test people x 2 weeks
     assert (run / "pretrained" / "model").is_dir() and (run / "random" / "model").is_dir()
+    # forgetting: the retained capability (probe AUROC on the tasks other than the target)
+    assert report["retained_capability"]["metric"] == "auroc"
+    for arm in (pre, rnd):
+        assert set(arm["retained"]["tasks"]) <= {"short_sleep", "shift_work", "short_sleep_week (per week)"}
+        assert 0 <= arm["retained"]["auroc"] <= 1 and "low_fitness" not in arm["retained"]["tasks"]
+    assert report["retained_before"] == pre["retained_before"]
+
+    # predict / embed through the CLI, on one simulated participant written as a long CSV
+    from domainfm import create_model
+    from domainfm.data_loaders.wearables_synthetic import synthetic_cohort
+
+    table = synthetic_cohort(1, 2, seed=5).tables[0]
+    long = table.rename_axis("timestamp").reset_index().melt("timestamp", var_name="variable").dropna()
+    long.to_csv(tmp_path / "person.csv", index=False)
+    out = tmp_path / "weeks.csv"
+    assert cli.main(["predict", "wearables", "--model", str(run), "--arm", "random", "--input",
+                     str(tmp_path / "person.csv"), "--output", str(out), "--precision", "32-true"]) == 0
+    import pandas as pd
+    import torch
+
+    weeks = pd.read_csv(out)
+    assert list(weeks.columns) == ["week_start", "week_end", "hours_observed", "p_low_fitness"]
+    assert len(weeks) == 2 and ((weeks["p_low_fitness"] > 0) & (weeks["p_low_fitness"] < 1)).all()
+    # the same numbers as the model applied directly to the cohort's own weeks
+    from domainfm.data_loaders import wearables as W
+
+    model = create_model(run / "random" / "model").eval()
+    identity = W.ZScoreStats(tuple(model.variables), np.zeros(len(model.variables)), np.ones(len(model.variables)))
+    v, o, _ = W.to_weeks(table, variables=model.variables, stats=identity, min_hours=24)
+    with torch.no_grad():
+        direct = torch.sigmoid(model(torch.as_tensor(v), torch.as_tensor(o), raw=True)).reshape(-1).numpy()
+    np.testing.assert_allclose(weeks["p_low_fitness"], direct, rtol=1e-5, atol=1e-6)
+    assert cli.main(["embed", "wearables", "--model", str(run), "--input", str(tmp_path / "person.csv"),
+                     "--output", str(tmp_path / "e.npz")]) == 0
+    emb = np.load(tmp_path / "e.npz")
+    assert emb["X"].shape == (2, model.num_features) and np.isfinite(emb["X"]).all()
+
+
+def test_predict_wearables_bad_input(tmp_path, capsys):
+    from domainfm import create_model, save_pretrained
+
+    model = create_model("wbm-test", n_chans=2, n_times=168, n_outputs=1, variables=["steps", "heart_rate"])
+    save_pretrained(model, tmp_path / "m")
+    (tmp_path / "x.txt").write_text("nothing")
+    assert cli.main(["predict", "wearables", "--model", str(tmp_path / "m"), "--input", str(tmp_path / "x.txt"),
+                     "--output", str(tmp_path / "o.csv")]) == 2
+    assert "x.txt" in capsys.readouterr().err
+    import pandas as pd
+
+    pd.DataFrame({"timestamp": ["2024-01-01 10:00"], "variable": ["sleep_min"], "value": [30.0]}).to_csv(
+        tmp_path / "other.csv", index=False)
+    assert cli.main(["predict", "wearables", "--model", str(tmp_path / "m"), "--input", str(tmp_path / "other.csv"),
+                     "--output", str(tmp_path / "o.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "none of the model's variables" in err and not (tmp_path / "o.csv").exists()
