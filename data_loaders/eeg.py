@@ -48,6 +48,7 @@ __all__ = [
     "windows_from_annotations",
     "reject_by_amplitude",
     "load_windows",
+    "recording_windows",
     "WindowDataset",
     "write_shards",
     "ShardDataset",
@@ -358,6 +359,51 @@ def load_windows(path: str | os.PathLike, settings: EEGSettings) -> tuple[np.nda
         x = x[keep]
         y = None if y is None else y[keep]
     return to_model_units(x, uv_per_unit=settings.uv_per_unit), y
+
+
+def recording_windows(recording, settings: EEGSettings, *, stride_s: float | None = None,
+                      reference_all: bool = False, source: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Every fixed window of one recording, for inference (``predict`` / ``embed``): the channel
+    selection and preprocessing of ``settings`` (as :func:`load_windows`), then consecutive
+    ``settings.window_s`` windows every ``stride_s`` (default: the window, no overlap) from the
+    first sample to the end. No labels, no trimming, no amplitude rejection: every window gets
+    an output row.
+
+    Args:
+        recording: a file path (any format of :data:`READERS`) or an MNE ``Raw``.
+        reference_all: average-reference over *every* EEG channel of the file before picking
+            ``settings.channels`` (CBraMod's embedded demo task does this; :func:`load_windows`
+            references the picked channels).
+        source: the name used in errors when ``recording`` is a ``Raw``.
+
+    Returns ``(x, start_s)``: windows ``(n, C, T)`` float32 in model units and their start times in
+    seconds from the first sample. Errors (:class:`EEGError`) name the file: a missing channel
+    (listing the file's), a rate below ``settings.sfreq`` without ``allow_upsample``, a
+    recording shorter than one window.
+    """
+    if isinstance(recording, (str, os.PathLike)):
+        raw = read_raw(recording)
+    else:
+        raw = recording.copy()
+        if source is not None or not getattr(raw, "filenames_for_errors", None):
+            raw.filenames_for_errors = source or _where(raw)
+    pre = dict(sfreq=settings.sfreq, l_freq=settings.l_freq, h_freq=settings.h_freq, notch=settings.notch,
+               allow_upsample=settings.allow_upsample)
+    if settings.pairs() is not None:
+        raw = preprocess(bipolar_montage(raw, settings.pairs()), reference=settings.reference, **pre)
+    elif reference_all:
+        where = _where(raw)
+        if settings.channels is not None:
+            _resolve(raw, settings.channels)  # a missing channel is named before any filtering
+        raw = preprocess(raw.copy().pick("eeg"), reference=settings.reference, **pre)
+        raw.filenames_for_errors = where
+        if settings.channels is not None:
+            raw = pick_channels(raw, settings.channels)
+    else:
+        raw = pick_channels(raw, settings.channels) if settings.channels is not None else raw.copy().pick("eeg")
+        raw = preprocess(raw, reference=settings.reference, **pre)
+    x, starts = fixed_windows(raw, window_s=settings.window_s, stride_s=stride_s)
+    return to_model_units(x, uv_per_unit=settings.uv_per_unit), starts
 
 
 class WindowDataset(Dataset):
