@@ -209,12 +209,18 @@ class ChronosBolt(nn.Module):
         common = dict(d_model=d_model, num_heads=num_heads, d_kv=d_kv, d_ff=d_ff, dropout=dropout, eps=layer_norm_eps,
                       relative_attention_num_buckets=relative_attention_num_buckets,
                       relative_attention_max_distance=relative_attention_max_distance)
-        self.shared = nn.Embedding(2 if self.use_reg_token else 1, d_model)
-        self.encoder = Stack(num_layers=num_layers, is_decoder=False, **common)
-        self.decoder = Stack(num_layers=num_decoder_layers, is_decoder=True, **common)
-        self.patch_embed = ResidualBlock(2 * input_patch_size, d_ff, d_model, activation=dense_act_fn, dropout=dropout)
-        self.quantile_head = self._new_head(len(self.quantiles), prediction_length)
-        self.apply(self._init_weights)
+        # built on the meta device and initialised once below: the modules' own default init
+        # would draw every weight twice (seconds for the 205M-parameter base)
+        device = torch.empty(0).device  # where the caller builds (meta inside `with torch.device("meta")`)
+        with torch.device("meta"):
+            self.shared = nn.Embedding(2 if self.use_reg_token else 1, d_model)
+            self.encoder = Stack(num_layers=num_layers, is_decoder=False, **common)
+            self.decoder = Stack(num_layers=num_decoder_layers, is_decoder=True, **common)
+            self.patch_embed = ResidualBlock(2 * input_patch_size, d_ff, d_model, activation=dense_act_fn,
+                                             dropout=dropout)
+            self.quantile_head = self._new_head(len(self.quantiles), prediction_length)
+        self.to_empty(device=device)
+        self.apply(self._init_weights)  # covers every parameter (tested)
 
     # -- init ------------------------------------------------------------------
 
@@ -550,16 +556,22 @@ CHRONOS_BOLT_SHA256: dict[str, dict[str, str]] = {}
 
 
 def _weights(size: str) -> tuple[WeightSource, ...]:
+    """The published repository ``hf://amazon/chronos-bolt-SIZE`` (config.json + model.safetensors),
+    Apache-2.0, pinned to the revision in :data:`CHRONOS_BOLT_REVISIONS`. No full sha256 could be
+    confirmed offline: the hub verifies each file against the sha256 the Hub publishes for it at
+    that revision and enforces the digest recorded on first download."""
     repo = f"amazon/chronos-bolt-{size}"
     digest = CHRONOS_BOLT_SHA256.get(repo, {}).get("model.safetensors")
     try:
-        return (WeightSource(f"hf://{repo}@{CHRONOS_BOLT_REVISIONS[size]}/model.safetensors", sha256=digest,
-                             converter="official", license="Apache-2.0",
-                             description=f"Chronos-Bolt ({size}), pretrained by Amazon on ~100 billion time series "
-                                         "observations (Chronos corpus with synthetic data)"),)
+        return (WeightSource(
+            f"hf://{repo}", sha256=digest, converter="official", license="Apache-2.0",
+            description=f"Chronos-Bolt ({size}) pretrained by Amazon on nearly 100 billion time series observations",
+            revision=CHRONOS_BOLT_REVISIONS[size],
+            note="no sha256 confirmed offline; revision as pinned by public projects using this checkpoint, "
+                 "not verified from here"),)
     except (TypeError, ValueError, AttributeError):
-        # a WeightSource that needs a full sha256 and none is known: no registered source; load
-        # with pretrained="hf://amazon/chronos-bolt-SIZE" (digest recorded on first download) or a folder
+        # a zoo whose WeightSource needs a full sha256 (no revision/note fields): no registered
+        # source; pretrained="hf://amazon/chronos-bolt-SIZE" or a local folder still load
         return ()
 
 
