@@ -8,6 +8,8 @@ One idea per module (PyG's layout):
   table and the on-disk cache;
 * :mod:`.datasets`: :class:`GraphDataset`, the shipped graphs, TUDataset / ``.npz`` / PyG loaders,
   link-prediction splits;
+* :mod:`.files`: :func:`read_graph` (a ``torch.save``'d PyG ``Data``, read weights-only with
+  PyG's classes allow-listed; a ``.npz``; a shipped graph's name), :func:`read_ids`;
 * task-trees (:class:`TaskTreeBatch`, :func:`build_task_trees`, :func:`merge_task_trees`,
   :class:`PretrainTaskTable`) live beside GIT's model in :mod:`domainfm.models.git.task_trees`,
   with their numba kernels, and are re-exported here.
@@ -39,6 +41,7 @@ from .datasets import (
     load_tu_dataset,
     shipped_texts,
 )
+from .files import graph_from_pyg, pyg_safe_globals, read_graph, read_ids, read_pyg_file
 from .sampling import CSR, build_csr, sample_neighbors
 from .text import (
     MINILM,
@@ -77,6 +80,11 @@ __all__ = [
     "load_mutag",
     "load_graph_dir",
     "from_pyg",
+    "graph_from_pyg",
+    "read_graph",
+    "read_ids",
+    "read_pyg_file",
+    "pyg_safe_globals",
     "link_prediction_split",
     "merge_task_trees",
     "PretrainTaskTable",
