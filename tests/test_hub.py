@@ -114,63 +114,8 @@ def test_url_with_wrong_sha_argument_raises(http_server, tiny_zoo, domainfm_home
     assert _files_under(domainfm_home) == []
 
 
-def test_hf_url_resolves_through_endpoint(http_server, tiny_zoo, monkeypatch, domainfm_home):
-    # huggingface_hub reads HF_ENDPOINT once at import time into constants.ENDPOINT and
-    # HUGGINGFACE_CO_URL_TEMPLATE (what hf_hub_url formats); patch both.
-    from huggingface_hub import constants, hf_hub_url
-
-    monkeypatch.setattr(constants, "ENDPOINT", http_server.base)
-    monkeypatch.setattr(
-        constants, "HUGGINGFACE_CO_URL_TEMPLATE", http_server.base + "/{repo_id}/resolve/{revision}/{filename}"
-    )
-    assert hf_hub_url("org/repo", "x.bin").startswith(http_server.base)
-
-    expected = tiny_zoo.state_dict(seed=3)
-    body = safetensors_bytes(expected)
-    http_server.serve("/org/repo/resolve/main/sub/tiny.safetensors", body)
-    http_server.serve("/org/repo/resolve/v1.0/tiny.safetensors", body)
-    source = "hf://org/repo/sub/tiny.safetensors"
-    tiny_zoo.register("dfmtest-hf", weights=[WeightSource(source, sha256=_sha(body))])
-
-    model = domainfm.create_model("dfmtest-hf", pretrained=True, progress=False)
-    _assert_state_equal(model, expected)
-    assert hub.cache_path_for(source) == domainfm_home / "weights" / "hf" / "org" / "repo" / "sub" / "tiny.safetensors"
-    assert hub.cache_path_for(source).read_bytes() == body
-    assert http_server.hit_count("/org/repo/resolve/main/sub/tiny.safetensors") == 1
-
-    pinned = hub.fetch("hf://org/repo@v1.0/tiny.safetensors", _sha(body), progress=False)
-    assert pinned.read_bytes() == body
-    assert http_server.hit_count("/org/repo/resolve/v1.0/tiny.safetensors") == 1
-
-
-def test_hf_repo_level_source_fetches_config_and_weights(http_server, tiny_zoo, monkeypatch, domainfm_home):
-    import json
-
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "ENDPOINT", http_server.base)
-    monkeypatch.setattr(
-        constants, "HUGGINGFACE_CO_URL_TEMPLATE", http_server.base + "/{repo_id}/resolve/{revision}/{filename}"
-    )
-    expected = tiny_zoo.state_dict(seed=4)
-    weights = safetensors_bytes(expected)
-    config = json.dumps({"model_type": "tiny", "d": 8}).encode()
-    http_server.serve("/org/whole/resolve/main/model.safetensors", weights)
-    http_server.serve("/org/whole/resolve/main/config.json", config)
-    # the weights' digest is on the card; config.json has none, so it warns with its digest
-    tiny_zoo.register("dfmtest-repo", weights=[WeightSource("hf://org/whole/model.safetensors", sha256=_sha(weights))])
-    with pytest.warns(UserWarning, match=_sha(config)):
-        model = domainfm.create_model("dfmtest-repo", pretrained="hf://org/whole", progress=False)
-    _assert_state_equal(model, expected)
-    assert model.domainfm_upstream_config == {"model_type": "tiny", "d": 8}
-    folder = domainfm_home / "weights" / "hf" / "org" / "whole"
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
-    # a wrong digest for the weights leaves no weights file behind
-    http_server.serve("/org/bad/resolve/main/model.safetensors", weights)
-    http_server.serve("/org/bad/resolve/main/config.json", config)
-    with pytest.raises(ChecksumError):
-        hub.fetch_hf_repo("hf://org/bad", sha256={"model.safetensors": "0" * 64, "config.json": _sha(config)}, progress=False)
-    assert not (domainfm_home / "weights" / "hf" / "org" / "bad" / "model.safetensors").exists()
+# hf:// and timm:// sources go through huggingface_hub: tested against a Hub-like server in
+# tests/test_hub_hf.py (endpoint, revisions, whole repositories, tampering, lock, offline, token).
 
 
 def test_hub_token_is_sent_only_to_the_hub_origin(http_server, monkeypatch):
@@ -518,7 +463,7 @@ def test_save_pretrained_round_trip(tmp_path, tiny_zoo):
     with torch.no_grad():
         model.scale.uniform_(0.5, 1.5)
     saved = domainfm.save_pretrained(model, tmp_path / "run")
-    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.safetensors"]  # no temp files
+    assert sorted(p.name for p in saved.iterdir()) == ["README.md", "config.json", "model.safetensors"]  # no temp files
     config = json.loads((saved / "config.json").read_text())["domainfm"]
     assert config["model_name"] == "dfmtest-tiny"
     assert config["model_kwargs"] == {"n_chans": 3, "n_outputs": 3, "hidden": 6}
@@ -584,3 +529,57 @@ def test_save_pretrained_after_reset_classifier_records_the_new_head(tiny_zoo, t
     assert reloaded.head.out_features == 5
     x = torch.randn(4, 3)
     assert torch.equal(reloaded(x), model(x))
+
+
+# --------------------------------------------------------------------------- model cards
+
+
+def _front_matter(text: str) -> dict:
+    import yaml
+
+    assert text.startswith("---\n")
+    head, _, _ = text[4:].partition("\n---\n")
+    return yaml.safe_load(head)
+
+
+def test_save_pretrained_writes_a_hub_model_card(tmp_path, tiny_zoo):
+    tiny_zoo.register("dfmtest-carded", license="MIT", description="a tiny carded test net",
+                      weights=[WeightSource("hf://org/base-repo/w.safetensors", license="CC-BY-4.0")])
+    model = domainfm.create_model("dfmtest-carded")
+    folder = domainfm.save_pretrained(model, tmp_path / "m")
+    text = (folder / "README.md").read_text()
+    meta = _front_matter(text)
+    assert meta["library_name"] == "domainfm" and meta["license"] == "mit"
+    assert meta["base_model"] == "org/base-repo"
+    assert meta["tags"] == ["domainfm", "dfmtest"] and "datasets" not in meta
+    n_params = sum(p.numel() for p in model.parameters())
+    assert "a tiny carded test net" in text and f"{n_params:,}" in text and "TinyNet" in text
+    assert "CC-BY-4.0" in text  # the licence of the weights it started from
+    assert "No training report" in text and "## Metrics" not in text
+    # the folder still round-trips (the card is not read back)
+    _assert_state_equal(domainfm.create_model(folder), model.state_dict())
+
+
+def test_model_card_shows_the_reports_metrics_and_training(tmp_path, tiny_zoo):
+    model = domainfm.create_model("dfmtest-tiny")
+    report = {"family": "dfmtest", "task": "classification", "monitor": "val/accuracy",
+              "data": {"dataset": "TUAB", "n_chans": 3, "train_windows": 120},
+              "arms": {"lora": {"init": "pretrained hf://org/x", "mode": "lora", "steps": 40, "best_step": 30,
+                                "params": {"total": 100, "trainable": 12},
+                                "val": {"accuracy": 0.8125}, "test": {"accuracy": 0.79, "per_class": {"a": 0.5}}},
+                       "random": {"test": {"accuracy": 0.41}}}}
+    path = domainfm.hub.write_model_card(tmp_path, model, report, arm="lora")
+    text = path.read_text()
+    meta = _front_matter(text)
+    assert meta["library_name"] == "domainfm" and meta["datasets"] == ["TUAB"]
+    assert "| test/accuracy | 0.79 |" in text and "| val/accuracy | 0.8125 |" in text
+    assert "| test/per_class/a | 0.5 |" in text and "0.41" not in text  # only the chosen arm
+    assert "- steps: 40" in text and "- params/trainable: 12" in text and "- data/train_windows: 120" in text
+    # without an arm: every arm's test metrics
+    text = domainfm.hub.model_card_text(model, report)
+    assert "| lora/test/accuracy | 0.79 |" in text and "| random/test/accuracy | 0.41 |" in text
+    # save_pretrained passes the report on; the card is written atomically (no temp file left)
+    folder = domainfm.save_pretrained(model, tmp_path / "m", report=report, arm="lora")
+    assert "| test/accuracy | 0.79 |" in (folder / "README.md").read_text()
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert not (domainfm.save_pretrained(model, tmp_path / "n", card=False) / "README.md").exists()

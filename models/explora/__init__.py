@@ -8,15 +8,19 @@ Variants (all on timm's ViT, except the multispectral one on :class:`GroupChanne
   ``explora-vit-large-mae-fmow-sentinel`` (10 bands, 96 px, patch 8);
 * test-sized: ``explora-test`` (RGB ViT) and ``explora-multispectral-test``.
 
-No weight source is registered yet: the official files (HF ``samarkhanna/ExPLoRA``) and timm's
-DINOv2/MAE weights have no sha256 recorded here, and domainfm never loads an unverified file
-silently. Load a downloaded official file with ``create_model(name, pretrained="/path/file.pth")``
+Weight sources (``pretrained=True``): the natural-image starts through timm's own pretrained
+configs (``timm://vit_large_patch14_dinov2.lvd142m`` etc.: timm names the Hub repository and
+file), the ExPLoRA results from the Hub repository ``samarkhanna/ExPLoRA`` (the encoder-only
+files; file names from the official README). No full sha256 or commit of these files could be
+confirmed offline: each is verified against the sha256 the Hub publishes for it and the digest
+seen on first download is recorded in ``$DOMAINFM_HOME/weights.lock.json`` and enforced after.
+A downloaded official file also loads with ``create_model(name, pretrained="/path/file.pth")``
 (or :func:`domainfm.models.explora.convert.load_official`, which also reads full ``teacher``
 files).
 """
 from __future__ import annotations
 
-from domainfm.zoo import register_model
+from domainfm.zoo import WeightSource, register_model
 
 from .convert import convert_official, load_official
 from .preset import explora_preset  # registers lora.PRESETS["explora"]
@@ -36,7 +40,29 @@ def _rgb_card(img_size: int, patch: int) -> dict:
     return {**_RGB, "img_size": img_size, "patch_size": patch}
 
 
-def _register_timm(name: str, arch: str, *, img_size: int, patch: int, description: str, license: str) -> None:
+_UNPINNED = "no pinned sha256/revision confirmed offline: the Hub's published digest + the lock file"
+#: the official ExPLoRA files carry no licence statement we could confirm offline
+_EXPLORA_LICENSE = "unknown"
+#: timm's pretrained tag of each natural-image start
+_TIMM_TAGS = {"dinov2-small": "vit_small_patch14_dinov2.lvd142m", "dinov2-base": "vit_base_patch14_dinov2.lvd142m",
+              "dinov2-large": "vit_large_patch14_dinov2.lvd142m", "mae-base": "vit_base_patch16_224.mae",
+              "mae-large": "vit_large_patch16_224.mae"}
+
+
+def _timm_source(arch: str, license: str) -> WeightSource:
+    # the converter resamples DINOv2's 518-px position table to the card's 224 px (timm keys otherwise)
+    return WeightSource(f"timm://{_TIMM_TAGS[arch]}", converter="official", license=license,
+                        description=f"timm's {_TIMM_TAGS[arch]} weights (location from timm's pretrained config)",
+                        note=_UNPINNED)
+
+
+def _official_source(path: str, description: str) -> WeightSource:
+    return WeightSource(f"{HF_REPO}/{path}", converter="official", license=_EXPLORA_LICENSE,
+                        description=description, state_dict_key=None, note=_UNPINNED)
+
+
+def _register_timm(name: str, arch: str, *, img_size: int, patch: int, description: str, license: str,
+                   weights=()) -> None:
     def builder(**kwargs):
         return build_timm_vit(arch, **kwargs)
 
@@ -44,7 +70,7 @@ def _register_timm(name: str, arch: str, *, img_size: int, patch: int, descripti
     register_model(
         name, family="explora", paper=PAPER, license=license, description=description,
         input_spec=_rgb_card(img_size, patch), defaults={"img_size": img_size, "n_outputs": 0},
-        converters=_CONVERTERS, head="head",
+        converters=_CONVERTERS, head="head", weights=list(weights),
     )(builder)
 
 
@@ -52,11 +78,13 @@ for _size in ("small", "base", "large"):
     _register_timm(
         f"explora-dinov2-vit-{_size}", f"dinov2-{_size}", img_size=224, patch=14, license="Apache-2.0",
         description=f"DINOv2 ViT-{_size[0].upper()}/14 at 224 px (timm vit_{_size}_patch14_dinov2): ExPLoRA's natural-image start",
+        weights=[_timm_source(f"dinov2-{_size}", "Apache-2.0")],
     )
 for _size in ("base", "large"):
     _register_timm(
         f"explora-mae-vit-{_size}", f"mae-{_size}", img_size=224, patch=16, license="CC-BY-NC-4.0",
         description=f"MAE ViT-{_size[0].upper()}/16 at 224 px (timm vit_{_size}_patch16_224.mae layout): ExPLoRA's MAE start",
+        weights=[_timm_source(f"mae-{_size}", "CC-BY-NC-4.0")],
     )
 for _size in ("base", "large"):
     _register_timm(
@@ -65,6 +93,9 @@ for _size in ("base", "large"):
             f"ExPLoRA DINOv2 ViT-{_size[0].upper()}/14 extended-pretrained on fMoW-RGB (official file "
             f"{HF_REPO[5:]}/explora_dinov2_fmow_rgb/explora_dinov2_vit_{_size}_fmow_rgb_encoder_only.pth)"
         ),
+        weights=[_official_source(
+            f"explora_dinov2_fmow_rgb/explora_dinov2_vit_{_size}_fmow_rgb_encoder_only.pth",
+            f"ExPLoRA DINOv2 ViT-{_size[0].upper()}/14 on fMoW-RGB, encoder only (LoRA merged)")],
     )
 
 
@@ -77,6 +108,8 @@ for _size in ("base", "large"):
     input_spec={"n_chans": 10, "bands": _S2_BANDS, "img_size": 96, "patch_size": 8,
                 "channel_groups": [list(g) for g in SENTINEL2_GROUPS]},
     defaults={"n_outputs": 0}, converters=_CONVERTERS, head="head",
+    weights=[_official_source("explora_mae_multispectral/explora_mae_fmow_sentinel_encoder_only.pth",
+                              "ExPLoRA MAE ViT-L group-channel on fMoW-Sentinel (10 bands), encoder only (LoRA merged)")],
 )
 def explora_vit_large_mae_fmow_sentinel(**kwargs):
     """ExPLoRA multispectral ViT-L (SatMAE group channels)."""

@@ -65,8 +65,15 @@ def _cmd_list(args) -> int:
     names = list_models(args.pattern, pretrained=args.pretrained, family=args.family)
     for name in names:
         card = zoo.get_card(name)
-        flag = "pretrained" if card.has_pretrained else "-"
-        print(f"{name:<40} {card.family:<12} {flag}")
+        if args.pretrained:
+            # one line per weight source: where it lives, how it is verified, its licence
+            for source in card.weights:
+                rev = f"@{source.revision}" if source.revision and "@" not in source.url else ""
+                print(f"{name:<40} {card.family:<10} {source.url}{rev}  licence={source.license}  "
+                      f"verified={source.pinned}")
+        else:
+            flag = "pretrained" if card.has_pretrained else "-"
+            print(f"{name:<40} {card.family:<12} {flag}")
     if not names:
         print("no models match", file=sys.stderr)
     return 0
@@ -88,8 +95,8 @@ def _cmd_download(args) -> int:
         print(f"{args.name} has no weight source {args.source or ''}".strip(), file=sys.stderr)
         return 1
     for source in sources:
-        path = hub.fetch(source.url, source.sha256)
-        print(f"{source.url} -> {path} (sha256 {source.sha256})")
+        for url, path, digest in hub.download(source, progress=not args.quiet):
+            print(f"{url} -> {path} (sha256 {digest}, verified: {source.pinned})")
     return 0
 
 
@@ -256,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="list registered models", description="List registered models (fnmatch pattern).")
     p.add_argument("pattern", nargs="?", default="*")
-    p.add_argument("--pretrained", action="store_true", help="only models with pretrained weights")
+    p.add_argument("--pretrained", action="store_true",
+                   help="only models with a weight source; shows each source, its licence and how it is verified")
     p.add_argument("--family", default=None)
     p.set_defaults(func=_cmd_list)
 
@@ -265,9 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("download", help="download and verify a model's weights into the cache",
-                       description="Download a model's weights into $DOMAINFM_HOME and verify their sha256.")
+                       description="Download a model's weights (hf:// and timm:// sources into the Hugging Face "
+                                   "cache, others into $DOMAINFM_HOME) and verify their sha256.")
     p.add_argument("name")
     p.add_argument("--source", default=None, help="one of the card's weight URLs (default: all)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_download)
 
     for kind in ("pretrain", "finetune"):

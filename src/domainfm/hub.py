@@ -29,6 +29,7 @@ put it. Nothing is ever unpickled with arbitrary code.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import http.client
 import json
@@ -68,6 +69,11 @@ __all__ = [
     "is_own_file",
     "create_model",
     "save_pretrained",
+    "write_model_card",
+    "model_card_text",
+    "download",
+    "parse_hf",
+    "resolve_timm",
     "CONFIG_NAME",
     "WEIGHTS_NAME",
     "OWN_METADATA_KEY",
@@ -160,7 +166,11 @@ def _redact(url: str) -> str:
     return urllib.parse.urlunsplit(parsed._replace(query="…" if parsed.query else ""))
 
 
-def _recorded_sha256(dest: Path) -> str | None:
+def _lock_key(dest: Path) -> str:
+    return dest.relative_to(weights_dir()).as_posix()
+
+
+def _lock_entry(key: str) -> dict | None:
     path = _lock_file()
     if not path.is_file():
         return None
@@ -168,12 +178,17 @@ def _recorded_sha256(dest: Path) -> str | None:
         files = json.loads(path.read_text()).get("files", {})
     except (json.JSONDecodeError, AttributeError) as exc:
         raise HubError(f"{path}: not a readable weights lock file ({exc}); delete it to record digests anew") from exc
-    entry = files.get(dest.relative_to(weights_dir()).as_posix())
-    return entry.get("sha256") if isinstance(entry, dict) else None
+    entry = files.get(key)
+    return entry if isinstance(entry, dict) else None
 
 
-def _record_sha256(dest: Path, url: str, digest: str) -> None:
-    """Add ``dest``'s digest to the lock file (read-modify-write under an flock where available)."""
+def _recorded_sha256(dest: Path) -> str | None:
+    entry = _lock_entry(_lock_key(dest))
+    return entry.get("sha256") if entry else None
+
+
+def _record_entry(key: str, entry: dict) -> None:
+    """Add ``entry`` under ``key`` in the lock file (read-modify-write under an flock where available)."""
     import contextlib
     import time
 
@@ -189,12 +204,14 @@ def _record_sha256(dest: Path, url: str, digest: str) -> None:
         if path.is_file():
             with contextlib.suppress(json.JSONDecodeError):
                 data = json.loads(path.read_text())
-        data.setdefault("files", {})[dest.relative_to(weights_dir()).as_posix()] = {
-            "url": _redact(url), "sha256": digest, "size": dest.stat().st_size,
-            "recorded": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        data.setdefault("files", {})[key] = {**entry, "recorded": time.strftime("%Y-%m-%dT%H:%M:%S")}
         atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
     finally:
         guard.close()
+
+
+def _record_sha256(dest: Path, url: str, digest: str) -> None:
+    _record_entry(_lock_key(dest), {"url": _redact(url), "sha256": digest, "size": dest.stat().st_size})
 
 
 def _download_url_for(url: str) -> str:
@@ -218,6 +235,167 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 # --------------------------------------------------------------------------- download
+
+
+# ----- hf:// and timm:// through huggingface_hub
+
+_HEX64 = frozenset("0123456789abcdef")
+
+
+def _is_hex(text: str, n: int) -> bool:
+    return len(text) == n and set(text) <= _HEX64
+
+
+def parse_hf(url: str) -> tuple[str, str | None, str | None]:
+    """``hf://org/repo[@rev][/path]`` -> (``org/repo``, ``rev`` or None, ``path`` or None)."""
+    parts = url[len("hf://") :].strip("/").split("/")
+    if len(parts) < 2 or any(p in {"", ".", ".."} for p in parts):
+        raise ValueError(f"{url!r}: expected hf://org/repo[@revision][/path/to/file] without empty, '.' or '..' segments")
+    repo, revision = "/".join(parts[:2]), None
+    if "@" in repo:
+        repo, revision = repo.split("@", 1)
+        if not revision:
+            raise ValueError(f"{url!r}: empty revision after '@'")
+    return repo, revision, "/".join(parts[2:]) or None
+
+
+def resolve_timm(url: str) -> str:
+    """``timm://<model>.<tag>`` -> the ``hf://`` file timm's own pretrained config names
+    (``hf_hub_id`` + ``hf_hub_filename``, default ``model.safetensors`` as timm itself loads)."""
+    name = url[len("timm://") :].strip("/")
+    try:
+        from timm.models import get_pretrained_cfg
+    except ImportError as exc:  # pragma: no cover - timm is a dependency
+        raise HubError(f"{url}: timm is not installed") from exc
+    cfg = get_pretrained_cfg(name)
+    if cfg is None:
+        raise HubError(f"{url}: timm has no pretrained config {name!r} (timm.list_pretrained() lists them)")
+    hub_id = getattr(cfg, "hf_hub_id", None)
+    if not hub_id:
+        raise HubError(f"{url}: timm's pretrained config for {name!r} names no Hugging Face repository (hf_hub_id)")
+    repo, _, revision = hub_id.partition("@")
+    filename = getattr(cfg, "hf_hub_filename", None) or WEIGHTS_NAME
+    return f"hf://{repo}" + (f"@{revision}" if revision else "") + f"/{filename}"
+
+
+def _hf_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.is_offline_mode())
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _git_blob_sha1(path: Path) -> str:
+    """The git object id of a file (what the Hub publishes as the ETag of a non-LFS file)."""
+    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # noqa: S324 - git's id, not security
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _published_digest(local: Path) -> tuple[str | None, str | None]:
+    """(kind, digest) the Hub published for a file in its cache: the blob a snapshot entry links
+    to is named after the file's ETag, the sha256 for LFS files (``X-Linked-Etag``) and the git
+    blob id for the others. (None, None) where the cache keeps no link (symlinks unsupported)."""
+    blob = Path(os.path.realpath(local))
+    if blob.parent.name != "blobs":
+        return None, None
+    name = blob.name.lower()
+    if _is_hex(name, 64):
+        return "sha256", name
+    if _is_hex(name, 40):
+        return "git-sha1", name
+    return None, None
+
+
+def _evict(local: Path) -> None:
+    """Remove a refused file from the Hub cache: its blob and the snapshot entry linking to it."""
+    import contextlib
+
+    blob = Path(os.path.realpath(local))
+    for path in (local, blob):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+class _QuietTqdm:
+    """A progress-bar class that shows nothing (``progress=False``)."""
+
+    def __new__(cls, *args, **kwargs):
+        from tqdm.auto import tqdm
+
+        kwargs["disable"] = True
+        return tqdm(*args, **kwargs)
+
+
+def _fetch_hf(url: str, sha256: str | None, *, progress: bool = True, revision: str | None = None) -> Path:
+    """Download one ``hf://org/repo[@rev]/file`` through huggingface_hub (its cache, resumable
+    downloads, ``HF_HUB_OFFLINE`` and ``HF_TOKEN``), then verify it (see :func:`fetch`)."""
+    repo, url_revision, filename = parse_hf(url)
+    if filename is None:
+        raise ValueError(f"{url!r}: an hf:// source must name a file, as hf://org/repo/path/to/file")
+    revision = url_revision or revision
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = is_offline() or _hf_offline()
+    shown = f"hf://{repo}" + (f"@{revision}" if revision else "") + f"/{filename}"
+    try:
+        local = Path(hf_hub_download(repo, filename, revision=revision, local_files_only=is_offline(),
+                                     library_name="domainfm", tqdm_class=None if progress else _QuietTqdm))
+    except LocalEntryNotFoundError as exc:
+        if not offline:
+            cause = exc.__cause__ or exc.__context__
+            raise HubError(f"could not download {shown} ({type(cause or exc).__name__}: {cause or exc})") from exc
+        raise OfflineError(
+            f"offline (DOMAINFM_OFFLINE or HF_HUB_OFFLINE is set) and {shown} is not in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}). On a connected machine run `hf download {repo} {filename}"
+            + (f" --revision {revision}" if revision else "") + "` (or `domainfm download NAME`) and copy that cache "
+            "here, or download the file and pass its path as pretrained=PATH"
+            + (f" (sha256 {sha256.lower()})" if sha256 else "") + "."
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise HubError(f"could not download {shown} ({exc})") from exc
+    except Exception as exc:  # noqa: BLE001 - httpx/huggingface_hub errors, named with the source
+        raise HubError(f"could not download {shown} ({type(exc).__name__}: {exc})") from exc
+
+    actual = sha256_file(local)
+    kind, published = _published_digest(local)
+    if sha256 is not None and actual != sha256.lower():
+        _evict(local)
+        raise ChecksumError(f"{shown}: downloaded file has sha256 {actual}, but the card pins {sha256.lower()}; "
+                            "removed from the Hugging Face cache")
+    if kind == "sha256" and actual != published:
+        _evict(local)
+        raise ChecksumError(f"{shown}: downloaded file has sha256 {actual}, but the Hub publishes sha256 {published} "
+                            "for it; removed from the Hugging Face cache")
+    if kind == "git-sha1" and (git_id := _git_blob_sha1(local)) != published:
+        _evict(local)
+        raise ChecksumError(f"{shown}: downloaded file has git id {git_id} (sha256 {actual}), but the "
+                            f"Hub publishes git id {published} for it; removed from the Hugging Face cache")
+    if sha256 is None:
+        # trust on first use, enforced after: the digest seen first is recorded in the lock file
+        key = f"hf://{repo}@{revision or 'main'}/{filename}"
+        entry = _lock_entry(key)
+        depth = len(filename.split("/"))
+        commit = local.parents[depth - 1].name if len(local.parents) >= depth else None
+        if entry is None:
+            if kind is None:
+                warnings.warn(f"{shown}: the Hub published no digest this cache could keep (no blob link); its sha256 "
+                              f"{actual} is recorded in {_lock_file()} and enforced from now on", stacklevel=3)
+            _record_entry(key, {"url": key, "sha256": actual, "size": local.stat().st_size, "commit": commit,
+                                "published": f"{kind} {published}" if kind else "none"})
+        elif entry.get("sha256") != actual:
+            raise ChecksumError(
+                f"{shown}: the file now has sha256 {actual} (commit {commit}), but sha256 {entry.get('sha256')} was "
+                f"recorded for it on first download (commit {entry.get('commit')}) in {_lock_file()}. Refusing a "
+                f"changed file; if the upstream change is expected, delete the entry {key!r} from that file.")
+    return local
+
+
 
 
 def _origin(url: str) -> tuple[str, str]:
@@ -283,8 +461,16 @@ def _stream_to(url: str, tmp_path: Path, progress: bool, desc: str) -> str:
     return digest.hexdigest()
 
 
-def fetch(url: str, sha256: str | None = None, *, progress: bool = True) -> Path:
+def fetch(url: str, sha256: str | None = None, *, progress: bool = True, revision: str | None = None) -> Path:
     """Return the local path of ``url``, downloading and verifying it if it is not cached.
+
+    ``hf://org/repo[@rev]/file`` (and ``timm://model.tag``, resolved through timm's pretrained
+    config) go through ``huggingface_hub.hf_hub_download``: its shared cache, resumable
+    downloads, ``HF_HUB_OFFLINE``/``HF_TOKEN`` (the token goes to the Hub only, never to the CDN
+    it redirects to). The file is then verified against ``sha256`` when given, else against the
+    digest the Hub publishes for it (the sha256 of an LFS file, the git id of another) at
+    ``revision``, and its sha256 is recorded in the lock file on first download and enforced from
+    then on. A refused file is removed from the Hugging Face cache.
 
     ``file://`` URLs and plain paths are verified in place (not copied). A cached file is trusted
     only when its sha256 matches (when one is given); a mismatching cached file is an error.
@@ -299,6 +485,10 @@ def fetch(url: str, sha256: str | None = None, *, progress: bool = True) -> Path
                 raise ChecksumError(f"{path}: sha256 {actual} does not match the expected {sha256.lower()}")
         return path
 
+    if url.startswith("timm://"):
+        url = resolve_timm(url)
+    if url.startswith("hf://"):
+        return _fetch_hf(url, sha256, progress=progress, revision=revision)
     dest = cache_path_for(url)
     if dest.is_file():
         if sha256 is not None:
@@ -369,7 +559,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         except Exception as exc:
             raise HubError(f"{path}: not a readable safetensors file ({exc})") from exc
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # argparse.Namespace is the one extra class allowed, as plain data: MAE-style training
+        # scripts (MAE, SatMAE, ExPLoRA) store their command-line ``args`` in the checkpoint
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         code = _code_reference(str(exc))
         if code is not None:
@@ -546,25 +739,50 @@ def _is_hf_repo(url: str) -> bool:
 
 
 def fetch_hf_repo(url: str, *, card: zoo.ModelCard | None = None, sha256: str | Mapping[str, str] | None = None,
-                  files: tuple[str, ...] = REPO_FILES, progress: bool = True) -> Path:
-    """Fetch an upstream repository laid out as ``config.json`` + ``model.safetensors``
-    (``hf://org/repo``) into the cache and return its folder.
+                  files: tuple[str, ...] = REPO_FILES, optional: tuple[str, ...] = (), progress: bool = True,
+                  revision: str | None = None) -> Path:
+    """Fetch a repository laid out as ``config.json`` + ``model.safetensors`` (``hf://org/repo``
+    or ``hf://org/repo@revision``) through :func:`fetch` and return its snapshot folder.
 
-    Each file's sha256 comes from ``sha256`` (a mapping file -> digest) or from the card's
-    weight source ``hf://org/repo/<file>``; a file with neither is downloaded with a warning
-    that prints its digest.
+    Each file's sha256 comes from ``sha256`` (a mapping file -> digest) or from the card's weight
+    source ``hf://org/repo/<file>``; a file with neither is verified against the digest the Hub
+    publishes and the lock file. ``optional`` files (e.g. ``README.md``) are fetched when present.
     """
-    repo = url[len("hf://") :].strip("/")
+    repo, url_revision, path = parse_hf(url)
+    if path is not None:
+        raise ValueError(f"{url!r}: expected a whole repository, hf://org/repo[@revision]")
+    revision = url_revision or revision
     digests = dict(sha256) if isinstance(sha256, Mapping) else {}
     if card is not None:
         for source in card.weights:
-            if source.url.startswith(f"hf://{repo}/"):
+            if source.url.startswith(f"hf://{repo}/") and source.sha256:
                 digests.setdefault(source.url[len(f"hf://{repo}/") :], source.sha256)
+    base = f"hf://{repo}" + (f"@{revision}" if revision else "")
     folder = None
     for name in files:
-        path = fetch(f"hf://{repo}/{name}", digests.get(name), progress=progress)
+        path = fetch(f"{base}/{name}", digests.get(name), progress=progress)
         folder = path.parent
+    for name in optional:
+        try:
+            fetch(f"{base}/{name}", digests.get(name), progress=progress)
+        except ChecksumError:
+            raise
+        except HubError:
+            pass  # absent: optional
     return folder
+
+
+def download(source: zoo.WeightSource | str, *, progress: bool = True) -> list[tuple[str, Path, str]]:
+    """Fetch and verify one weight source (a file, or a whole ``hf://org/repo``):
+    ``[(url, local path, sha256), ...]`` for each file. What ``domainfm download`` runs."""
+    url, sha256, revision = (source, None, None) if isinstance(source, str) else (source.url, source.sha256, source.revision)
+    if url.startswith("timm://"):
+        url = resolve_timm(url)
+    if _is_hf_repo(url):
+        folder = fetch_hf_repo(url, progress=progress, revision=revision)
+        return [(f"{url}/{name}", folder / name, sha256_file(folder / name)) for name in REPO_FILES]
+    path = fetch(url, sha256, progress=progress, revision=revision)
+    return [(url, path, sha256 or sha256_file(path))]
 
 
 def _read_dir(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], bool]:
@@ -655,10 +873,18 @@ def load_pretrained(
     elif isinstance(pretrained, str) and "://" in pretrained and card is not None:
         source_obj = next((w for w in card.weights if w.url == pretrained), None)
 
-    if source_obj is not None:
+    if source_obj is not None and _is_hf_repo(resolve_timm(source_obj.url) if source_obj.url.startswith("timm://")
+                                              else source_obj.url):
         location = source_obj.url
-        path = fetch(source_obj.url, source_obj.sha256, progress=progress)
-        digest = source_obj.sha256
+        raw, config, own = _read_dir(fetch_hf_repo(source_obj.url, card=card, progress=progress,
+                                                   revision=source_obj.revision))
+        digest = None
+        if not own:
+            upstream_config = config
+    elif source_obj is not None:
+        location = source_obj.url
+        path = fetch(source_obj.url, source_obj.sha256, progress=progress, revision=source_obj.revision)
+        digest = source_obj.sha256 or sha256_file(path)
         raw = _unwrap_state_dict(load_checkpoint(path), source_obj.state_dict_key)
         own = is_own_file(path)
     else:
@@ -707,8 +933,12 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"model keyword value {value!r} ({type(value).__name__}) cannot be written to JSON")
 
 
-def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
-    """Write ``model.safetensors`` + ``config.json`` so that ``create_model(directory)`` rebuilds it.
+def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, report: Mapping[str, Any] | None = None,
+                    arm: str | None = None, card: bool = True) -> Path:
+    """Write ``model.safetensors`` + ``config.json`` so that ``create_model(directory)`` rebuilds it,
+    and a ``README.md`` model card in the Hub's format (see :func:`write_model_card`; ``report``
+    and ``arm`` are passed on to it, ``card=False`` skips it). The folder can be uploaded as is
+    (``hf upload user/repo DIR``) and loaded back with ``create_model("hf://user/repo")``.
 
     The model must come from :func:`create_model` (it remembers its variant and keywords). Both
     files are written through :mod:`domainfm.atomic`, so a crash leaves no half-written file.
@@ -738,7 +968,169 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike) -> Path:
         save_model(model, str(tmp_weights), metadata={"format": "pt", OWN_METADATA_KEY: name})
         config["domainfm"]["sha256"] = sha256_file(tmp_weights)
     atomic_write_text(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if card:
+        write_model_card(directory, model, report=report, arm=arm)
     return directory
+
+
+# --------------------------------------------------------------------------- model cards
+
+MODEL_CARD_NAME = "README.md"
+
+
+def _hub_repo_of(url: str | None) -> str | None:
+    """The Hub repository id behind a weight location (hf://, timm://, a Hub cache path)."""
+    if not url:
+        return None
+    url = str(url)
+    if url.startswith("timm://"):
+        try:
+            url = resolve_timm(url)
+        except HubError:
+            return None
+    if url.startswith("hf://"):
+        try:
+            return parse_hf(url)[0]
+        except ValueError:
+            return None
+    marker = f"{os.sep}models--"
+    if marker in url:  # a file in the Hugging Face cache: .../models--org--name/snapshots/...
+        return url.split(marker, 1)[1].split(os.sep, 1)[0].replace("--", "/")
+    return None
+
+
+def _flat_numbers(value: Any, prefix: str = "") -> list[tuple[str, float]]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [(prefix, value)]
+    if isinstance(value, Mapping):
+        out = []
+        for key, item in value.items():
+            out += _flat_numbers(item, f"{prefix}/{key}" if prefix else str(key))
+        return out
+    return []
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _md_cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def model_card_text(model: nn.Module, report: Mapping[str, Any] | None = None, *, arm: str | None = None,
+                    base_model: str | None = None, datasets: list[str] | None = None,
+                    license: str | None = None) -> str:
+    """The ``README.md`` model card of a domainfm model, in the Hub's format: YAML front matter
+    (``library_name: domainfm``, ``license``, ``base_model``, ``tags``, ``datasets`` where known)
+    and a body saying what the model is, how it was trained and its metrics (from ``report``, a
+    run's ``report.json`` as a dict; ``arm`` picks that arm's metrics), and the licence of the
+    weights it started from."""
+    import yaml
+
+    name = getattr(model, "domainfm_name", None) or type(model).__name__
+    try:
+        zcard = zoo.get_card(name)
+    except KeyError:
+        zcard = None
+    load = getattr(model, "domainfm_load_report", None)
+    start = zcard.weights[0] if zcard is not None and zcard.weights else None
+    loaded_from = getattr(load, "source", None)
+    base = base_model or _hub_repo_of(loaded_from) or (_hub_repo_of(start.url) if start is not None else None)
+    start_license = (start.license if start is not None and (loaded_from in (None, start.url)) else None)
+    if start_license is None and zcard is not None and loaded_from is not None:
+        start_license = next((w.license for w in zcard.weights if w.url == loaded_from), None)
+    report = dict(report or {})
+    arm_report = dict(report.get("arms", {}).get(arm, {})) if arm and isinstance(report.get("arms"), Mapping) else {}
+    data = report.get("data") if isinstance(report.get("data"), Mapping) else {}
+    if datasets is None:
+        found = report.get("datasets") or data.get("dataset") or data.get("datasets")
+        datasets = [found] if isinstance(found, str) else (list(found) if isinstance(found, (list, tuple)) else [])
+    family = zcard.family if zcard is not None else None
+    tags = ["domainfm"] + [t for t in (family, zcard.domain if zcard is not None else None) if t]
+    meta: dict[str, Any] = {"library_name": "domainfm",
+                            "license": _hub_license(license or (zcard.license if zcard is not None else None))}
+    if base:
+        meta["base_model"] = base
+    meta["tags"] = tags
+    if datasets:
+        meta["datasets"] = [str(d) for d in datasets]
+
+    n_params = sum(p.numel() for p in model.parameters())
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", f"# {name}", ""]
+    if zcard is not None and zcard.description:
+        lines += [zcard.description, ""]
+    lines += ["## Model", "", f"- architecture: `{type(model).__module__}.{type(model).__name__}`",
+              f"- parameters: {n_params:,}"]
+    if family:
+        lines.append(f"- family: {family}" + (f" ({zcard.domain})" if zcard.domain else ""))
+    if zcard is not None and zcard.paper:
+        lines.append(f"- paper: {zcard.paper}")
+    if zcard is not None and zcard.input_spec:
+        spec = ", ".join(f"{k}={v}" for k, v in zcard.input_spec.items() if not isinstance(v, (list, dict)))
+        lines.append(f"- input: {spec}")
+    lines += ["", "Load it with domainfm:", "", "```python", "import domainfm", "",
+              'model = domainfm.create_model("hf://USER/REPO")  # or a local folder path', "```", ""]
+
+    lines += ["## Training", ""]
+    if report:
+        for key in ("kind", "task", "model", "monitor", "labels", "wall_time_s"):
+            if key in report and not isinstance(report[key], (Mapping, list)):
+                lines.append(f"- {key}: {_md_cell(report[key])}")
+        for key in ("init", "mode", "seed", "steps", "best_step"):
+            if key in arm_report and not isinstance(arm_report[key], (Mapping, list)):
+                lines.append(f"- {key}: {_md_cell(arm_report[key])}")
+        for key, value in _flat_numbers(arm_report.get("params") or report.get("params") or {}, "params"):
+            lines.append(f"- {key}: {_fmt(value)}")
+        for key, value in data.items():
+            if not isinstance(value, (Mapping, list)):
+                lines.append(f"- data/{key}: {_md_cell(value)}")
+        lines.append("")
+        metrics = []
+        if arm_report:
+            for split in ("val", "test", "zero_shot", "probe", "retained"):
+                metrics += _flat_numbers(arm_report.get(split, {}), split)
+        elif isinstance(report.get("arms"), Mapping):
+            for arm_name, arm_value in report["arms"].items():
+                if isinstance(arm_value, Mapping):
+                    metrics += _flat_numbers(arm_value.get("test", {}), f"{arm_name}/test")
+        else:
+            metrics = _flat_numbers(report.get("metrics", report))
+        if metrics:
+            lines += ["## Metrics", "", "| metric | value |", "|---|---|"]
+            lines += [f"| {_md_cell(k)} | {_fmt(v)} |" for k, v in metrics[:200]]
+            lines.append("")
+    else:
+        lines += ["No training report was given: these are the weights as saved.", ""]
+
+    lines += ["## Licence", ""]
+    lines.append(f"- this model card's code licence (the {name} card): {zcard.license if zcard is not None else 'unknown'}")
+    if loaded_from or start is not None:
+        src = loaded_from or start.url
+        lines.append(f"- started from {src}" + (f", weights licensed {start_license}" if start_license else "")
+                     + "; the licence of the weights it started from applies to this derivative")
+    lines.append("")
+    return "\n".join(lines)
+
+
+_HUB_LICENSES = {"apache-2.0", "mit", "cc-by-4.0", "cc-by-nc-4.0", "cc-by-sa-4.0", "cc-by-nc-sa-4.0", "bsd-3-clause",
+                 "gpl-3.0", "cc0-1.0", "openrail", "other", "unknown"}
+
+
+def _hub_license(text: str | None) -> str:
+    """The Hub's licence identifier (lower-case SPDX-like), ``other`` for anything it does not know."""
+    value = (text or "unknown").strip().lower()
+    return value if value in _HUB_LICENSES else "other"
+
+
+def write_model_card(directory: str | os.PathLike, model: nn.Module, report: Mapping[str, Any] | None = None, *,
+                     arm: str | None = None, **kwargs: Any) -> Path:
+    """Write ``directory/README.md`` (atomically): the model card of :func:`model_card_text`."""
+    path = Path(directory) / MODEL_CARD_NAME
+    atomic_write_text(path, model_card_text(model, report, arm=arm, **kwargs))
+    return path
 
 
 def _create_from_saved(directory: Path, config: dict[str, Any], kwargs: dict[str, Any]) -> nn.Module:
@@ -784,8 +1176,8 @@ def create_model(
     """Build a registered model (or one saved with :func:`save_pretrained`) and load weights.
 
     Args:
-        name: a registered variant (``domainfm.list_models()``) or a directory written by
-            :func:`save_pretrained`.
+        name: a registered variant (``domainfm.list_models()``), a directory written by
+            :func:`save_pretrained`, or such a folder on the Hub, ``"hf://user/repo[@revision]"``.
         pretrained: ``False`` (random init), ``True`` (the card's first weight source), a URL
             (``hf://org/repo/file``, ``https://…``, ``file://…``), a checkpoint file or directory.
         converter: name of one of the card's converters (or a callable) for upstream files.
@@ -793,6 +1185,19 @@ def create_model(
         strict: raise on any missing/unexpected key (the head excepted when its shape changed).
         **kwargs: override the variant's defaults (e.g. ``n_outputs=4, n_chans=22``).
     """
+    if str(name).startswith("hf://"):
+        if not _is_hf_repo(str(name)):
+            raise HubError(f"{name}: create_model takes a whole repository, hf://user/repo[@revision]; for one "
+                           "file of an upstream checkpoint use create_model(NAME, pretrained='hf://...')")
+        folder = fetch_hf_repo(str(name), sha256=sha256 and {WEIGHTS_NAME: sha256}, optional=(MODEL_CARD_NAME,),
+                               progress=progress)
+        config = json.loads((folder / CONFIG_NAME).read_text())
+        if not isinstance(config, dict) or "domainfm" not in config:
+            raise HubError(f"{name}: not a domainfm model repository (its {CONFIG_NAME} has no 'domainfm' block); "
+                           "for an upstream repository use create_model(NAME, pretrained='" + str(name) + "')")
+        model = _create_from_saved(folder, config, kwargs)
+        model.domainfm_load_report.source = str(name)
+        return model
     path = Path(name)
     if path.is_dir():
         config_file = path / CONFIG_NAME

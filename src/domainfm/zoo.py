@@ -44,25 +44,38 @@ class WeightSource:
     """Where one set of weights for a variant lives.
 
     Args:
-        url: ``"hf://org/repo/path/in/repo"``, ``"https://..."`` or ``"file://..."``.
-        sha256: full hex sha256 of the file; always verified after download.
+        url: ``"hf://org/repo/path/in/repo"`` (one file), ``"hf://org/repo"`` (a whole repository:
+            ``config.json`` + ``model.safetensors``), ``"timm://<model>.<tag>"`` (timm's own
+            pretrained config says which Hub repository and file), ``"https://..."`` or ``"file://..."``.
+        sha256: full hex sha256 of the file, verified after every download and load. ``None``
+            where no digest could be confirmed: an ``hf://``/``timm://`` file is then verified
+            against the sha256 the Hub publishes for it (at ``revision``) and the digest seen on
+            first download is recorded in ``$DOMAINFM_HOME/weights.lock.json`` and enforced after.
         converter: key of the card's ``converters`` that turns this file's state_dict into our
             keys (``None``: the file already holds our keys).
         license: licence of the weights (may differ from the code's).
         description: what was trained on what.
         state_dict_key: key under which a checkpoint dict nests its state_dict (e.g. ``"model"``);
             ``None`` means the file is the state_dict itself (the converter may still unwrap).
+        revision: the Hub revision (commit, tag or branch) the source is pinned to; ``None``: ``main``.
+        note: what could not be confirmed about this source (shown by ``domainfm info``).
     """
 
     url: str
-    sha256: str
+    sha256: str | None = None
     converter: str | None = None
     license: str = "unknown"
     description: str = ""
     state_dict_key: str | None = None
+    revision: str | None = None
+    note: str = ""
 
     def __post_init__(self):
-        digest = self.sha256.lower()
+        if self.sha256 is None:
+            if not self.url.startswith(("hf://", "timm://")):
+                raise ValueError(f"WeightSource({self.url!r}): a non-Hub source needs a pinned sha256 (64 hex digits)")
+            return
+        digest = str(self.sha256).lower()
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ValueError(f"WeightSource({self.url!r}): sha256 must be 64 hex digits, got {self.sha256!r}")
         object.__setattr__(self, "sha256", digest)
@@ -70,6 +83,12 @@ class WeightSource:
     @property
     def filename(self) -> str:
         return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def pinned(self) -> str:
+        """How this source is verified: ``"sha256"``, ``"revision"`` (the Hub's digest at a
+        pinned revision, then the lock file) or ``"lock"`` (the Hub's digest, then the lock file)."""
+        return "sha256" if self.sha256 else ("revision" if self.revision else "lock")
 
 
 @dataclass
@@ -96,6 +115,11 @@ class ModelCard:
     def has_pretrained(self) -> bool:
         return bool(self.weights)
 
+    @property
+    def domain(self) -> str | None:
+        """The scientific domain (``input_spec["domain"]``, else the family's usual one)."""
+        return self.input_spec.get("domain") or FAMILY_DOMAINS.get(self.family)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able view of the card (what ``domainfm info`` prints)."""
         return {
@@ -113,6 +137,17 @@ class ModelCard:
 
 
 _REGISTRY: dict[str, ModelCard] = {}
+
+#: the domain of each family's data (model-card tags); a card may override it with input_spec["domain"]
+FAMILY_DOMAINS = {
+    "cbramod": "eeg",
+    "wavetoken": "time-series-forecasting",
+    "fim": "time-series",
+    "git": "graphs",
+    "explora": "remote-sensing",
+    "stofm": "spatial-transcriptomics",
+    "wearables": "wearables",
+}
 
 
 def _ensure_families_imported() -> None:
