@@ -34,7 +34,14 @@ from torch.utils.data import Dataset
 from domainfm.atomic import atomic_path
 
 __all__ = [
+    "SatelliteDataError",
     "read_raster",
+    "read_scene_for_model",
+    "ModelInput",
+    "canonical_band",
+    "match_bands",
+    "tile_origins",
+    "stitch_tiles",
     "Raster",
     "select_bands",
     "BandStats",
@@ -64,6 +71,11 @@ SENTINEL2_BANDS = ("B01", "B02", "B03", "B04", "B05", "B06", "B07", "B08", "B8A"
 #: the 10 bands SatMAE / ExPLoRA keep (B1, B9, B10 dropped)
 EXPLORA_SENTINEL2_BANDS = ("B02", "B03", "B04", "B05", "B06", "B07", "B08", "B8A", "B11", "B12")
 _RASTER_SUFFIXES = (".tif", ".tiff", ".jp2")
+
+
+class SatelliteDataError(ValueError):
+    """A raster, image or manifest that cannot be used as asked (wrong bands, CRS, shape, ...);
+    the message names the file and what was expected. The CLI reports it in one line."""
 
 
 def _rasterio():
@@ -115,27 +127,35 @@ def read_raster(
         different CRS, no overlap, unknown band).
     """
     rasterio = _rasterio()
+    import rasterio.errors
     from rasterio.enums import Resampling
     from rasterio.transform import from_origin
     from rasterio.windows import from_bounds
 
     files = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
     if not files:
-        raise ValueError("read_raster: no file given")
+        raise SatelliteDataError("read_raster: no file given")
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"raster file not found: {f}")
     try:
         method = Resampling[resampling]
     except KeyError:
-        raise ValueError(f"resampling={resampling!r}: expected one of {[r.name for r in Resampling][:10]}...") from None
+        raise SatelliteDataError(f"resampling={resampling!r}: expected one of {[r.name for r in Resampling][:10]}...") from None
 
-    datasets = [rasterio.open(f) for f in files]
+    datasets = []
+    try:
+        for f in files:
+            datasets.append(rasterio.open(f))
+    except rasterio.errors.RasterioIOError as exc:
+        for ds in datasets:
+            ds.close()
+        raise SatelliteDataError(f"{f}: not a raster rasterio can read (GeoTIFF/JP2 expected): {exc}") from None
     try:
         crs = datasets[0].crs
         for ds, f in zip(datasets, files):
             if ds.crs != crs:
-                raise ValueError(f"{f}: CRS {ds.crs} differs from {files[0]}'s {crs}; reproject first")
+                raise SatelliteDataError(f"{f}: CRS {ds.crs} differs from {files[0]}'s {crs}; reproject first")
         names = [n for ds, f in zip(datasets, files) for n in _band_names_of(ds, f)]
         if len(datasets) == 1 and resolution is None:
             ds = datasets[0]
@@ -148,11 +168,11 @@ def read_raster(
             bottom = max(ds.bounds.bottom for ds in datasets)
             top = min(ds.bounds.top for ds in datasets)
             if right <= left or top <= bottom:
-                raise ValueError(f"the rasters {[str(f) for f in files]} do not overlap")
+                raise SatelliteDataError(f"the rasters {[str(f) for f in files]} do not overlap")
             res = float(resolution) if resolution is not None else min(min(abs(ds.transform.a), abs(ds.transform.e)) for ds in datasets)
             width, height = int(math.floor((right - left) / res)), int(math.floor((top - bottom) / res))
             if width < 1 or height < 1:
-                raise ValueError(f"resolution={res} leaves no pixel in the common extent")
+                raise SatelliteDataError(f"resolution={res} leaves no pixel in the common extent")
             right, bottom = left + width * res, top - height * res
             out = []
             for ds in datasets:
@@ -174,12 +194,153 @@ def select_bands(data: np.ndarray | torch.Tensor, names: Sequence[str], wanted: 
     """``data[(index of each wanted name)]`` along the band axis (0), with a clear error."""
     names = list(names)
     if len(names) != data.shape[0]:
-        raise ValueError(f"{source}: {data.shape[0]} bands but {len(names)} band names")
+        raise SatelliteDataError(f"{source}: {data.shape[0]} bands but {len(names)} band names")
     missing = [b for b in wanted if b not in names]
     if missing:
-        raise ValueError(f"{source}: bands {missing} not found; it has {names}")
+        raise SatelliteDataError(f"{source}: bands {missing} not found; it has {names}")
     index = [names.index(b) for b in wanted]
     return data[index]
+
+
+#: common names of bands -> Sentinel-2 names (model cards say ``red, green, blue``)
+BAND_ALIASES = {"blue": "B02", "green": "B03", "red": "B04", "nir": "B08", "swir1": "B11", "swir2": "B12"}
+
+
+def canonical_band(name: str) -> str:
+    """One spelling per band: ``red`` -> ``B04``, ``B2`` -> ``B02``, ``b8a`` -> ``B8A``."""
+    key = str(name).strip()
+    if key.lower() in BAND_ALIASES:
+        return BAND_ALIASES[key.lower()]
+    upper = key.upper()
+    if len(upper) == 2 and upper[0] == "B" and upper[1].isdigit():
+        return f"B0{upper[1]}"
+    return upper
+
+
+def _generic_names(names: Sequence[str]) -> bool:
+    return all(n == f"band{i + 1}" for i, n in enumerate(names))
+
+
+def match_bands(names: Sequence[str], wanted: Sequence[str], *, source: str = "image") -> list[int]:
+    """Indices of the bands ``wanted`` (in that order) among a file's band ``names``.
+
+    Names are compared after :func:`canonical_band` (so a card's ``red, green, blue`` finds a
+    Sentinel-2 file's ``B04, B03, B02``). A file without band descriptions (``band1 ... bandN``)
+    is taken in the model's order when it has exactly ``len(wanted)`` bands.
+
+    Raises:
+        SatelliteDataError: naming ``source`` and both band sets when a band is missing.
+    """
+    names, wanted = list(names), list(wanted)
+    canon = [canonical_band(n) for n in names]
+    if _generic_names(names) and len(names) == len(wanted) and not all(canonical_band(w) in canon for w in wanted):
+        return list(range(len(names)))
+    missing = [w for w in wanted if canonical_band(w) not in canon]
+    if missing:
+        raise SatelliteDataError(
+            f"{source}: has {len(names)} bands {names}, but the model expects {len(wanted)} bands {wanted} "
+            f"(missing {missing})")
+    return [canon.index(canonical_band(w)) for w in wanted]
+
+
+class ModelInput(NamedTuple):
+    """A scene prepared for a model (unpacks as ``image, raster, bands``)."""
+
+    #: ``(C, H, W)`` float32 in the model's band order, normalised as in training
+    image: torch.Tensor
+    #: the file as read (every band, its dtype, CRS and transform)
+    raster: Raster
+    #: the model's band names, in order
+    bands: list[str]
+
+
+def read_scene_for_model(path: str | os.PathLike, *, bands: Sequence[str] | None = None,
+                         band_indices: Sequence[int] | None = None, stats: BandStats | None = None,
+                         dtype: str | None = None) -> ModelInput:
+    """Read one GeoTIFF/JP2 scene and prepare it as a model was trained: bands selected and
+    ordered by name (``bands``, :func:`match_bands`) or by 0-based index (``band_indices``),
+    pixels cast to float32 and normalised with ``stats`` (``None``: the scene's own per-band
+    statistics, ignoring nodata, as :func:`load_scene` computes them for a scene without given
+    statistics).
+
+    Args:
+        dtype: the pixel dtype the model was trained on (e.g. ``uint16`` reflectance x 10000);
+            a file of another dtype is refused, since its scaling would differ.
+
+    Raises:
+        SatelliteDataError naming the file and both band sets (or dtypes) on a mismatch.
+    """
+    path = Path(path)
+    raster = read_raster(path)
+    if dtype is not None and raster.data.dtype.name != dtype:
+        raise SatelliteDataError(f"{path}: pixels are {raster.data.dtype.name} but the model was trained on {dtype} "
+                                 f"pixels (bands {list(bands or band_indices or [])}); convert with the same scaling")
+    if bands is not None:
+        index = match_bands(raster.band_names, bands, source=str(path))
+        names = list(bands)
+    elif band_indices is not None:
+        if max(band_indices) >= raster.data.shape[0]:
+            raise SatelliteDataError(f"{path}: has {raster.data.shape[0]} bands {raster.band_names}, but the model "
+                                     f"reads band indices {list(band_indices)}")
+        index, names = list(band_indices), [raster.band_names[i] for i in band_indices]
+    else:
+        index, names = list(range(raster.data.shape[0])), list(raster.band_names)
+    if stats is not None and stats.n_bands != len(index):
+        raise SatelliteDataError(f"{path}: the model's statistics are for {stats.n_bands} bands but {len(index)} "
+                                 f"were selected ({names})")
+    pixels = raster.data[index].astype(np.float32)
+    stats = stats or BandStats.compute(pixels, raster.nodata)
+    return ModelInput(stats.normalize(torch.from_numpy(pixels)), raster, names)
+
+
+def tile_origins(height: int, width: int, tile_size: int, stride: int | None = None, *,
+                 edge: str = "shift") -> list[tuple[int, int]]:
+    """Top-left ``(row, col)`` of the tiles covering a ``height x width`` scene, row-major.
+
+    Tiles start every ``stride`` pixels (default ``tile_size``). ``edge="shift"`` adds, where the
+    grid leaves a strip at the bottom/right, one last tile flush with the edge (overlapping its
+    neighbour), so every pixel is covered; ``edge="drop"`` leaves the strip uncovered.
+    """
+    stride = stride or tile_size
+    if tile_size < 1 or stride < 1:
+        raise SatelliteDataError(f"tile_size={tile_size}, stride={stride}: both must be >= 1")
+    if tile_size > height or tile_size > width:
+        raise SatelliteDataError(f"tile_size={tile_size} does not fit a scene of {height} x {width} pixels")
+    if edge not in ("shift", "drop"):
+        raise SatelliteDataError(f"edge={edge!r}: expected 'shift' or 'drop'")
+
+    def starts(n: int) -> list[int]:
+        out = list(range(0, n - tile_size + 1, stride))
+        if edge == "shift" and out[-1] + tile_size < n:
+            out.append(n - tile_size)
+        return out
+
+    return [(r, c) for r in starts(height) for c in starts(width)]
+
+
+def stitch_tiles(values: np.ndarray, origins: Sequence[tuple[int, int]], shape: tuple[int, int], tile_size: int, *,
+                 fill) -> np.ndarray:
+    """Per-tile values ``(N,)`` -> a ``shape`` map in which every covered pixel holds the value of
+    one tile covering it: the one whose centre is nearest (Euclidean; ties: the first in ``origins``), so
+    non-overlapping tiles keep their whole footprint and overlapping ones split the overlap
+    down the middle. Pixels no tile covers hold ``fill``.
+    """
+    values = np.asarray(values)
+    if len(values) != len(origins):
+        raise SatelliteDataError(f"stitch_tiles: {len(values)} values for {len(origins)} tiles")
+    out = np.full(shape, fill, dtype=values.dtype)
+    best = np.full(shape, np.inf)
+    half = (tile_size - 1) / 2.0
+    rr, cc = np.arange(tile_size)[:, None], np.arange(tile_size)[None, :]
+    # squared Euclidean distance to the tile centre: on a grid of tiles the nearest centre is the
+    # nearest along rows and along columns separately (a max-norm would tie along a whole edge)
+    dist = (rr - half) ** 2 + (cc - half) ** 2
+    for value, (r, c) in zip(values, origins):
+        window = best[r:r + tile_size, c:c + tile_size]
+        closer = dist < window
+        window[closer] = dist[closer]
+        out[r:r + tile_size, c:c + tile_size][closer] = value
+    return out
 
 
 @dataclass
@@ -191,9 +352,9 @@ class BandStats:
 
     def __post_init__(self):
         if len(self.mean) != len(self.std):
-            raise ValueError(f"BandStats: {len(self.mean)} means but {len(self.std)} stds")
+            raise SatelliteDataError(f"BandStats: {len(self.mean)} means but {len(self.std)} stds")
         if any(s <= 0 for s in self.std):
-            raise ValueError(f"BandStats: every std must be > 0, got {self.std}")
+            raise SatelliteDataError(f"BandStats: every std must be > 0, got {self.std}")
 
     @property
     def n_bands(self) -> int:
@@ -208,14 +369,14 @@ class BandStats:
         for band in arr:
             valid = band[band != nodata] if nodata is not None else band
             if valid.size == 0:
-                raise ValueError("BandStats.compute: a band has no valid pixel")
+                raise SatelliteDataError("BandStats.compute: a band has no valid pixel")
             mean.append(float(valid.mean()))
             std.append(float(max(valid.std(), 1e-6)))
         return cls(mean, std)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-3] != self.n_bands:
-            raise ValueError(f"image has {x.shape[-3]} bands but the statistics are for {self.n_bands}")
+            raise SatelliteDataError(f"image has {x.shape[-3]} bands but the statistics are for {self.n_bands}")
         shape = (-1, 1, 1)
         mean = torch.tensor(self.mean, dtype=torch.float32).reshape(shape)
         std = torch.tensor(self.std, dtype=torch.float32).reshape(shape)
@@ -228,14 +389,15 @@ class BandStats:
 
 
 def write_geotiff(path: str | os.PathLike, data: np.ndarray, *, transform, crs, band_names: Sequence[str] | None = None,
-                  nodata: float | None = None, compress: str = "deflate") -> Path:
-    """Write ``(C, H, W)`` to a tiled, compressed GeoTIFF atomically (``domainfm.atomic``)."""
+                  nodata: float | None = None, compress: str = "deflate", tags: dict[str, str] | None = None) -> Path:
+    """Write ``(C, H, W)`` to a tiled, compressed GeoTIFF atomically (``domainfm.atomic``);
+    ``tags`` become the file's metadata (``rasterio``'s ``update_tags``)."""
     rasterio = _rasterio()
     path = Path(path)
     if data.ndim != 3:
-        raise ValueError(f"write_geotiff: expected (C, H, W), got shape {data.shape}")
+        raise SatelliteDataError(f"write_geotiff: expected (C, H, W), got shape {data.shape}")
     if band_names is not None and len(band_names) != data.shape[0]:
-        raise ValueError(f"write_geotiff: {len(band_names)} band names for {data.shape[0]} bands")
+        raise SatelliteDataError(f"write_geotiff: {len(band_names)} band names for {data.shape[0]} bands")
     profile = dict(driver="GTiff", width=data.shape[2], height=data.shape[1], count=data.shape[0], dtype=data.dtype.name,
                    transform=transform, crs=crs, compress=compress, nodata=nodata)
     if compress == "deflate" and data.dtype.kind in "ui":
@@ -244,6 +406,8 @@ def write_geotiff(path: str | os.PathLike, data: np.ndarray, *, transform, crs, 
         dst.write(data)
         for i, name in enumerate(band_names or []):
             dst.set_band_description(i + 1, name)
+        if tags:
+            dst.update_tags(**{k: str(v) for k, v in tags.items()})
     return path
 
 
@@ -277,16 +441,16 @@ def load_scene(source: str = "sample", *, paths: str | os.PathLike | Sequence[st
     elif source == "raster":
         files = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths or [])
         if not files:
-            raise ValueError("load_scene: source='raster' needs paths (one raster file or a list of them)")
+            raise SatelliteDataError("load_scene: source='raster' needs paths (one raster file or a list of them)")
         raster = read_raster(files if len(files) > 1 else files[0], bands=bands)
     else:
-        raise ValueError(f"load_scene: source={source!r}: expected 'sample' or 'raster'")
+        raise SatelliteDataError(f"load_scene: source={source!r}: expected 'sample' or 'raster'")
     if (mean is None) != (std is None):
-        raise ValueError("load_scene: give both mean and std, or neither (then they are computed from the scene)")
+        raise SatelliteDataError("load_scene: give both mean and std, or neither (then they are computed from the scene)")
     raw = raster.data.astype(np.float32)
     stats = BandStats(list(mean), list(std)) if mean is not None else BandStats.compute(raw, raster.nodata)
     if stats.n_bands != raw.shape[0]:
-        raise ValueError(
+        raise SatelliteDataError(
             f"load_scene: mean/std have {stats.n_bands} values but the scene has {raw.shape[0]} bands {raster.band_names}"
         )
     return Scene(stats.normalize(torch.from_numpy(raw)), raw, list(raster.band_names), stats)
@@ -301,15 +465,15 @@ def _read_image(path: Path, n_bands: int | None, bands: Sequence[int] | None) ->
     elif suffix == ".npy":
         data = np.load(path, allow_pickle=False)
     else:
-        raise ValueError(f"{path}: unsupported image format {suffix!r}; expected {_RASTER_SUFFIXES + ('.npy',)}")
+        raise SatelliteDataError(f"{path}: unsupported image format {suffix!r}; expected {_RASTER_SUFFIXES + ('.npy',)}")
     if data.ndim != 3:
-        raise ValueError(f"{path}: expected a (bands, height, width) image, got shape {data.shape}")
+        raise SatelliteDataError(f"{path}: expected a (bands, height, width) image, got shape {data.shape}")
     if bands is not None:
         if max(bands) >= data.shape[0]:
-            raise ValueError(f"{path}: has {data.shape[0]} bands, cannot select band index {max(bands)}")
+            raise SatelliteDataError(f"{path}: has {data.shape[0]} bands, cannot select band index {max(bands)}")
         data = data[list(bands)]
     if n_bands is not None and data.shape[0] != n_bands:
-        raise ValueError(f"{path}: has {data.shape[0]} bands, expected {n_bands}")
+        raise SatelliteDataError(f"{path}: has {data.shape[0]} bands, expected {n_bands}")
     return torch.from_numpy(data.astype(np.float32))
 
 
@@ -330,15 +494,15 @@ class SceneTiles(Dataset):
                  raw=None):
         image = torch.as_tensor(np.asarray(image) if not isinstance(image, torch.Tensor) else image).float()
         if image.ndim != 3:
-            raise ValueError(f"SceneTiles: expected a (C, H, W) scene, got shape {tuple(image.shape)}")
+            raise SatelliteDataError(f"SceneTiles: expected a (C, H, W) scene, got shape {tuple(image.shape)}")
         stride = stride or tile_size
         if tile_size < 1 or stride < 1 or tile_size > min(image.shape[1:]):
-            raise ValueError(f"SceneTiles: tile_size={tile_size}, stride={stride} do not fit a scene of {tuple(image.shape[1:])}")
+            raise SatelliteDataError(f"SceneTiles: tile_size={tile_size}, stride={stride} do not fit a scene of {tuple(image.shape[1:])}")
         self.image, self.tile_size, self.transform = image, tile_size, transform
         self.origins = [(r, c) for r in range(0, image.shape[1] - tile_size + 1, stride)
                         for c in range(0, image.shape[2] - tile_size + 1, stride) if keep is None or keep(r, c)]
         if not self.origins:
-            raise ValueError("SceneTiles: `keep` rejected every tile")
+            raise SatelliteDataError("SceneTiles: `keep` rejected every tile")
         self.labels = None
         if labels_fn is not None:
             raw_t = torch.as_tensor(np.asarray(raw)).float() if raw is not None else image
@@ -373,11 +537,11 @@ class ImageFolder(Dataset):
             raise FileNotFoundError(f"image folder not found: {self.root}")
         self.classes = sorted(p.name for p in self.root.iterdir() if p.is_dir())
         if not self.classes:
-            raise ValueError(f"{self.root}: no class sub-folders (expected root/<class>/<image>.tif)")
+            raise SatelliteDataError(f"{self.root}: no class sub-folders (expected root/<class>/<image>.tif)")
         self.samples = [(p, i) for i, c in enumerate(self.classes) for p in sorted((self.root / c).iterdir())
                         if p.suffix.lower() in _RASTER_SUFFIXES + (".npy",)]
         if not self.samples:
-            raise ValueError(f"{self.root}: no images with suffix {_RASTER_SUFFIXES + ('.npy',)} in its class folders")
+            raise SatelliteDataError(f"{self.root}: no images with suffix {_RASTER_SUFFIXES + ('.npy',)} in its class folders")
         self.n_bands, self.bands, self.stats, self.transform = n_bands, bands, stats, transform
 
     def __len__(self) -> int:
@@ -409,10 +573,10 @@ class CsvManifest(Dataset):
             columns = reader.fieldnames or []
             for col in (image_column, label_column):
                 if col not in columns:
-                    raise ValueError(f"{self.csv_path}: no column {col!r}; columns are {columns}")
+                    raise SatelliteDataError(f"{self.csv_path}: no column {col!r}; columns are {columns}")
             rows = list(reader)
         if not rows:
-            raise ValueError(f"{self.csv_path}: no rows")
+            raise SatelliteDataError(f"{self.csv_path}: no rows")
         raw_labels = [r[label_column] for r in rows]
         if classes is None:
             numeric = all(v.strip().lstrip("-").isdigit() for v in raw_labels)
@@ -428,7 +592,7 @@ class CsvManifest(Dataset):
             elif value in self.classes:
                 label = self.classes.index(value)
             else:
-                raise ValueError(f"{self.csv_path} line {line}: label {value!r} not in classes {self.classes[:10]}")
+                raise SatelliteDataError(f"{self.csv_path} line {line}: label {value!r} not in classes {self.classes[:10]}")
             self.samples.append((p, label))
         self.n_bands, self.bands, self.stats, self.transform = n_bands, bands, stats, transform
 
@@ -516,7 +680,7 @@ class MultiCrop:
                  global_scale=(0.32, 1.0), local_scale=(0.05, 0.32), jitter: float = 0.2, seed: int | None = None):
         for name, (lo, hi) in (("global_scale", global_scale), ("local_scale", local_scale)):
             if not 0 < lo <= hi <= 1:
-                raise ValueError(f"MultiCrop: {name}={(lo, hi)} must satisfy 0 < low <= high <= 1")
+                raise SatelliteDataError(f"MultiCrop: {name}={(lo, hi)} must satisfy 0 < low <= high <= 1")
         self.global_size, self.local_size, self.n_local = global_size, local_size, n_local
         self.global_scale, self.local_scale, self.jitter = tuple(global_scale), tuple(local_scale), jitter
         self.rng = random.Random(seed) if seed is not None else random
