@@ -399,10 +399,12 @@ def fit_beta_mixture(values, k: int = 3, *, n_init: int = 3, max_iter: int = 100
 
 
 def plot_tradeoff(points: Sequence[Mapping[str, Any]], curves: Mapping[str, Sequence[Mapping[str, Any]]],
-                  path: str | Path, *, target: str, retained: str, title: str = "") -> Path:
+                  path: str | Path, *, target: str, retained: str, title: str = "",
+                  retained_before: float | None = None) -> Path:
     """Target metric (x) against retained capability (y): one marker per arm (``points``: dicts
     with ``arm``, ``target``, ``retained``) and one line per WiSE curve (``curves``: arm ->
-    [{``alpha``, ``target``, ``retained``}], each point labelled with its alpha). Written
+    [{``alpha``, ``target``, ``retained``}], each point labelled with its alpha, in the colour of
+    its arm's marker); ``retained_before``: the pretrained model's value, a dashed line. Written
     atomically as PNG (matplotlib's Agg backend)."""
     import matplotlib
 
@@ -413,19 +415,26 @@ def plot_tradeoff(points: Sequence[Mapping[str, Any]], curves: Mapping[str, Sequ
 
     fig = Figure(figsize=(6.4, 4.8))
     ax = fig.add_subplot()
+    palette = [f"C{i}" for i in range(10)]
+    colours = {p["arm"]: palette[i % 10] for i, p in enumerate(points)}
+    for name in curves:
+        colours.setdefault(name, palette[len(colours) % 10])
     for name, curve in curves.items():
         pts = [(p["target"], p["retained"], p["alpha"]) for p in curve
                if _finite(p.get("target")) and _finite(p.get("retained"))]
         if not pts:
             continue
         xs, ys, alphas = zip(*pts)
-        ax.plot(xs, ys, "-", alpha=0.6, label=f"{name} WiSE")
+        ax.plot(xs, ys, "-", color=colours[name], alpha=0.6, label=f"{name} WiSE (alpha marked)")
         for x, y, a in pts:
-            ax.annotate(f"{a:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+            ax.annotate(f"{a:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7, color=colours[name])
     markers = "osD^vP*Xh<>"
     for i, p in enumerate(points):
         if _finite(p.get("target")) and _finite(p.get("retained")):
-            ax.scatter([p["target"]], [p["retained"]], marker=markers[i % len(markers)], s=50, label=p["arm"], zorder=3)
+            ax.scatter([p["target"]], [p["retained"]], marker=markers[i % len(markers)], s=50, label=p["arm"],
+                       color=colours[p["arm"]], zorder=3)
+    if _finite(retained_before):
+        ax.axhline(float(retained_before), color="grey", linestyle="--", linewidth=1, label="pretrained, before fine-tuning")
     ax.set_xlabel(f"target: {target}")
     ax.set_ylabel(f"retained: {retained}")
     ax.set_title(title or "target metric vs retained capability")
@@ -440,3 +449,81 @@ def plot_tradeoff(points: Sequence[Mapping[str, Any]], curves: Mapping[str, Sequ
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
+# --------------------------------------------------------------------------- outputs through the engine
+
+
+class _Capture:
+    """A recipe whose evaluation step is ``fn(model, batch) -> {name: Tensor[B, ...]}`` and whose
+    ``metrics`` keeps the gathered outputs (``self.outputs``): lets :meth:`Trainer.evaluate` do the
+    device placement, autocast, ordering and gathering across processes."""
+
+    def __init__(self, recipe, fn, collate_fn):
+        self.model, self.val_dataset = recipe.model, None
+        self.collate_fn = self.eval_collate_fn = collate_fn or _default_collate()
+        self.fn, self.outputs = fn, {}
+
+    def eval_step(self, model, batch):
+        return self.fn(model, batch)
+
+    def metrics(self, outputs):
+        self.outputs = outputs
+        return {}
+
+
+def collect(trainer, recipe, dataset, model: nn.Module, fn, *, training_batches: bool = False) -> dict[str, torch.Tensor]:
+    """``fn(model, batch)`` over ``dataset`` in order (no shuffling, no dropped batch), through
+    ``trainer.evaluate``; returns the outputs concatenated over batches. ``training_batches``:
+    batches built with the recipe's training collate (what ``per_sample_loss`` takes) instead of
+    its evaluation collate."""
+    collate = recipe.collate_fn if training_batches else (recipe.eval_collate_fn or recipe.collate_fn)
+    capture = _Capture(recipe, fn, collate)
+    trainer.evaluate(capture, dataset, model=model)
+    return capture.outputs
+
+
+def per_sample_losses(trainer, recipe, dataset, model: nn.Module, family: str = "?") -> torch.Tensor:
+    """``recipe.per_sample_loss`` of every item of ``dataset``, in dataset order: ``(N,)``."""
+    require_per_sample_loss(recipe, family)
+    out = collect(trainer, recipe, dataset, model, lambda m, b: {"loss": recipe.per_sample_loss(m, b).float()},
+                  training_batches=True)["loss"]
+    if out.shape != (len(dataset),):
+        raise ValueError(f"family {family!r}: {type(recipe).__name__}.per_sample_loss returned {tuple(out.shape)} losses "
+                         f"over {len(dataset)} samples; expected one loss per sample (Tensor[B])")
+    return out
+
+
+def dawin_scores(trainer, recipe, dataset, interpolator, *, components: int = 3, seed: int = 0) -> dict[str, Any]:
+    """DaWin on one split: lambda from the logits of the pretrained (alpha 0) and fine-tuned
+    (alpha 1) ends of ``interpolator``, a Beta mixture on the lambdas, one merge per component (at
+    the component's Beta mean, as the official code) predicting its samples, and the recipe's
+    metrics of the reassembled outputs. Returns ``{"metrics", "mixture", "lambda_mean"}``; leaves
+    the interpolator at alpha 1."""
+    logits = lambda m, b: {"logits": recipe.logits(m, b).float()}
+    pre = collect(trainer, recipe, dataset, interpolator.set(0.0), logits)["logits"]
+    ft = collect(trainer, recipe, dataset, interpolator.set(1.0), logits)["logits"]
+    lam = dawin_lambda(pre, ft)
+    mixture = fit_beta_mixture(lam.numpy(), k=components, seed=seed)
+    n = len(dataset)
+    pieces: list[dict[str, torch.Tensor]] = []
+    order = []
+    for c, mean in enumerate(mixture.means):
+        idx = np.flatnonzero(mixture.assignment == c)
+        if idx.size == 0:
+            continue
+        model = interpolator.set(float(mean))
+        capture = _Capture(recipe, recipe.eval_step, recipe.eval_collate_fn or recipe.collate_fn)
+        trainer.evaluate(capture, torch.utils.data.Subset(dataset, idx.tolist()), model=model)
+        pieces.append(capture.outputs)
+        order.append(idx)
+    interpolator.restore()
+    positions = torch.as_tensor(np.concatenate(order))
+    inverse = torch.empty_like(positions)
+    inverse[positions] = torch.arange(n)
+    outputs = {}
+    for key in pieces[0]:
+        value = torch.cat([p[key] for p in pieces])
+        outputs[key] = value[inverse] if value.shape[0] == n else value  # per-sample outputs back in order
+    return {"metrics": {k: float(v) for k, v in recipe.metrics(outputs).items()}, "mixture": mixture.to_dict(),
+            "lambda_mean": float(lam.mean())}

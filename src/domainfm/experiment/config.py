@@ -10,7 +10,8 @@ from domainfm.engine import TrainConfig
 from domainfm.finetune.supervised import LoraSettings
 from domainfm.experiment.weights import FALLBACKS, ModelSpec
 
-__all__ = ["ModelSection", "AdaptSection", "StageSection", "ExperimentConfig", "ARM_INITS", "ADAPT_MODES"]
+__all__ = ["ModelSection", "AdaptSection", "StageSection", "ExperimentConfig", "ARM_INITS", "ADAPT_MODES",
+           "SAMPLE_WEIGHTINGS", "INTERPOLATIONS"]
 
 #: what an arm starts from: the configured/stage weights, random init, or the weights a stage started from
 ARM_INITS = ("pretrained", "random", "stage_init")
@@ -38,20 +39,79 @@ class ModelSection:
         return ModelSpec(self.name, pretrained, self.fallback, {**self.kwargs, **kwargs}, self.converter)
 
 
+SAMPLE_WEIGHTINGS = ("none", "flow")
+INTERPOLATIONS = ("none", "wise", "dawin")
+
+
 @dataclass
 class AdaptSection:
     """``mode``: full | lora | linear_probe | none (no training: protocols only);
-    ``seeds``: repeats, each trained with ``train.seed + s`` (mean and std reported)."""
+    ``seeds``: repeats, each trained with ``train.seed + s`` (mean and std reported).
+
+    Fine-tuning that keeps what pretraining taught (:mod:`domainfm.finetune.robust`); each method
+    adds arms beside the plain ones, for every arm that starts from pretrained weights and trains:
+
+    - ``sample_weighting: flow``: the arm ``<arm>+flow``, trained with FLOW's loss
+      mean(w_i * l_i), w_i = exp(-l_i^pre / tau) (``flow_temperature``: tau, null = the median of
+      the pretrained losses). ``flow_head_epochs``: after the weighted stage, train the head alone
+      with the plain loss for that many epochs (the official vision recipe's second round); the
+      default 0 keeps ``<arm>+flow`` different from ``<arm>`` by the weighting only, so the two
+      columns compare the method itself; set it (e.g. 5) to follow the official recipe.
+    - ``interpolation: wise``: the arms ``<arm>+wise@<alpha>`` for each ``wise_alpha`` (a number
+      or a list; default the sweep 0, 0.25, 0.5, 0.75, 1, also reported as ``wise_curve``), the
+      weights (1 - alpha) * pretrained + alpha * fine-tuned. ``dawin``: the arm ``<arm>+dawin``
+      (per-sample interpolation from the two models' entropies, ``dawin_components`` Beta
+      components, one merge each); classifiers only (others say ``not applicable`` in the
+      report). ``wise+dawin`` gives both.
+    - ``probe_epochs``: epochs of the linear probe on the frozen pretrained backbone that gives
+      classifiers their pretrained-side head (FLOW's pretrained losses, the alpha = 0 model).
+    """
 
     mode: str = "full"
     lora: LoraSettings = field(default_factory=LoraSettings)
     seeds: list[int] = field(default_factory=lambda: [0])
+    sample_weighting: str = "none"
+    flow_temperature: float | None = None
+    flow_head_epochs: int = 0
+    interpolation: str = "none"
+    wise_alpha: float | list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    dawin_components: int = 3
+    probe_epochs: int = 5
 
     def __post_init__(self):
         if self.mode not in ADAPT_MODES:
             raise ValueError(f"adapt.mode={self.mode!r}: expected one of {ADAPT_MODES}")
         if not self.seeds:
             raise ValueError("adapt.seeds: give at least one seed offset, e.g. [0]")
+        if self.sample_weighting not in SAMPLE_WEIGHTINGS:
+            raise ValueError(f"adapt.sample_weighting={self.sample_weighting!r}: expected one of {SAMPLE_WEIGHTINGS}")
+        methods = self.interpolation.split("+")
+        if any(m not in INTERPOLATIONS for m in methods) or ("none" in methods and len(methods) > 1) or \
+                len(set(methods)) != len(methods):
+            raise ValueError(f"adapt.interpolation={self.interpolation!r}: expected one of {INTERPOLATIONS} "
+                             "(or wise+dawin for both)")
+        if self.flow_temperature is not None and not self.flow_temperature > 0:
+            raise ValueError(f"adapt.flow_temperature={self.flow_temperature}: expected a number > 0, or null for the median")
+        if self.flow_head_epochs < 0:
+            raise ValueError(f"adapt.flow_head_epochs={self.flow_head_epochs}: expected >= 0")
+        if self.probe_epochs < 1:
+            raise ValueError(f"adapt.probe_epochs={self.probe_epochs}: expected >= 1")
+        if self.dawin_components < 1:
+            raise ValueError(f"adapt.dawin_components={self.dawin_components}: expected >= 1")
+        alphas = [self.wise_alpha] if isinstance(self.wise_alpha, (int, float)) else list(self.wise_alpha)
+        if not alphas or any(not (isinstance(a, (int, float)) and 0.0 <= a <= 1.0) for a in alphas):
+            raise ValueError(f"adapt.wise_alpha={self.wise_alpha!r}: expected numbers in [0, 1]")
+        self.wise_alpha = sorted({float(a) for a in alphas})
+
+    @property
+    def interpolations(self) -> list[str]:
+        """The interpolation methods asked for (``[]`` for none)."""
+        return [] if self.interpolation == "none" else self.interpolation.split("+")
+
+    @property
+    def robust(self) -> bool:
+        """Whether any robust fine-tuning method is asked for."""
+        return self.sample_weighting != "none" or bool(self.interpolations)
 
 
 @dataclass

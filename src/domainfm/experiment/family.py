@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -208,15 +209,208 @@ class Family:
             return cfg.model.pretrained
         return stage_reports[-1]["saved_model"] if stage_reports else None
 
+    # ------------------------------------------------------------------ robust fine-tuning
+
+    def _head_names(self, cfg, task: TaskData) -> str | Sequence[str]:
+        return self.head(cfg, task) if callable(self.head) else self.head
+
+    def robust_skip_reason(self, cfg, arm: str, stage_reports: list[dict[str, Any]]) -> str | None:
+        """Why FLOW / WiSE / DaWin do not apply to ``arm`` (``None`` when they do): they need an arm
+        that starts from pretrained weights and trains its backbone."""
+        init_kind, _, arm_mode = arm.partition(":")
+        mode = arm_mode or cfg.adapt.mode
+        if init_kind == "random":
+            return "starts from random weights: there is no pretrained model to keep"
+        if self._arm_source(cfg, init_kind, stage_reports) is None:
+            return "no pretrained weights (model.pretrained is null and there is no stage)"
+        if mode in ("none", "linear_probe"):
+            return f"adapt.mode={mode} does not fine-tune the backbone"
+        return None
+
+    def _probe_applies(self, cfg, task: TaskData, model: nn.Module) -> bool:
+        """A task with a trained head (classifier, regression) gets its pretrained-side head from a
+        linear probe on the frozen backbone; a model whose pretrained output already is the task's
+        (forecasting, in-context) is used as it is."""
+        if task.n_outputs is None or task.train is None:
+            return False
+        heads = self._head_names(cfg, task)
+        heads = [heads] if isinstance(heads, str) else list(heads)
+        names = [n for n, _ in model.named_parameters()]
+        return any(n == h or n.startswith(h + ".") for h in heads for n in names)
+
+    def _linear_probe(self, cfg, model: nn.Module, task: TaskData, seed: int, run_dir: Path) -> dict[str, torch.Tensor]:
+        """Train a linear probe on a copy of the frozen pretrained ``model`` with the family's own
+        recipe and ``adapt.probe_epochs`` epochs (best epoch by the arm's selection rule); returns
+        the copy's state (backbone unchanged, head = the probe)."""
+        import copy
+
+        from domainfm.finetune.supervised import prepare_mode
+
+        probe = copy.deepcopy(model)
+        prepare_mode(probe, "linear_probe", head=self._head_names(cfg, task))
+        if self.prepare is not None:
+            self.prepare(cfg, probe, "linear_probe")
+        recipe = self.build_recipe(cfg, probe, task)
+        monitor, direction = self.monitor(cfg, task)
+        train_cfg = dataclasses.replace(cfg.train, seed=seed, max_epochs=cfg.adapt.probe_epochs, max_steps=None,
+                                        monitor=monitor, monitor_mode=direction, early_stopping_patience=None,
+                                        progress=False)
+        fit = Trainer(train_cfg, run_dir=run_dir).fit(recipe)
+        return {k: v.detach().cpu().clone() for k, v in fit.model.state_dict().items()}
+
+    def _robust_setup(self, cfg, arm: str, seed: int, model: nn.Module, task: TaskData, arm_dir: Path,
+                      flow: bool, cache: dict) -> dict[str, Any]:
+        """Before adaptation: the pretrained side (state with the probe head), and FLOW's weights."""
+        out: dict[str, Any] = {}
+        key = (arm, seed)
+        if key not in cache:
+            entry: dict[str, Any] = {}
+            if self._probe_applies(cfg, task, model):
+                entry["state"] = self._linear_probe(cfg, model, task, seed, arm_dir / "probe")
+                entry["probe"] = True
+            else:
+                entry["state"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+                entry["probe"] = False
+            cache[key] = entry
+        entry = cache[key]
+        out["pretrained_state"] = entry["state"]
+        out["probe"] = entry["probe"]
+        if flow:
+            if "weights" not in entry:
+                ref = model
+                if entry["probe"]:
+                    import copy
+
+                    ref = copy.deepcopy(model)
+                    ref.load_state_dict(entry["state"])
+                ref.eval()
+                recipe = self.build_recipe(cfg, ref, task)
+                trainer = Trainer(dataclasses.replace(cfg.train, progress=False, seed=seed), run_dir=None)
+                from domainfm.finetune import robust
+
+                losses = robust.per_sample_losses(trainer, recipe, task.train, ref.to(trainer.fabric.device), self.name)
+                weights = robust.flow_weights(losses, cfg.adapt.flow_temperature)
+                entry["weights"] = weights
+                entry["flow"] = {"temperature": cfg.adapt.flow_temperature if cfg.adapt.flow_temperature is not None
+                                 else float(np.median(losses.double().numpy())),
+                                 "temperature_rule": "given" if cfg.adapt.flow_temperature is not None else "median",
+                                 "pretrained_loss": "linear probe on the frozen pretrained backbone" if entry["probe"]
+                                 else "the pretrained model as it is",
+                                 "pretrained_loss_mean": float(losses.mean()), "weight_mean": float(weights.mean()),
+                                 "weight_min": float(weights.min()), "weight_max": float(weights.max())}
+            out["weights"], out["flow"] = entry["weights"], entry["flow"]
+        return out
+
+    def _derived_arms(self, cfg, name: str, seed: int, model: nn.Module, task: TaskData, arm_dir: Path,
+                      init: InitInfo, mode: str, setup: dict[str, Any], trainer: Trainer, recipe: Recipe) -> dict[str, Any]:
+        """The arms interpolated from the fine-tuned ``model`` (before any LoRA merge) and the
+        pretrained side: ``<name>+wise@<alpha>`` and ``<name>+dawin``. Each is scored on val/test
+        with the arm's recipe and measured with the retained capability; the model is left at its
+        fine-tuned weights."""
+        from domainfm.finetune import robust
+        from domainfm.lora.inject import base_parameters, wrappers
+
+        methods = cfg.adapt.interpolations
+        if not methods:
+            return {}
+        derived: dict[str, Any] = {}
+        pre = setup["pretrained_state"]
+        try:
+            if wrappers(model):
+                # the pretrained side of what trained in full beside the adapters (head, lora.unfreeze);
+                # the base weights inside the wrappers never changed
+                adapter_ids = {id(p) for w in wrappers(model).values() for _, p in w.adapter_named_parameters()}
+                base_names = {id(p): n for n, p, _ in base_parameters(model)}
+                trained = {n: p for n, p in model.named_parameters() if p.requires_grad and id(p) not in adapter_ids}
+                pre_params = {}
+                for n, p in trained.items():
+                    src = base_names.get(id(p), n)
+                    if src not in pre:
+                        raise KeyError(f"parameter {src!r} has no pretrained value")
+                    pre_params[n] = pre[src].to(p.device, p.dtype)
+                interp = robust.LoraInterpolator(model, pre_params)
+            else:
+                interp = robust.StateInterpolator(model, pre)
+        except (ValueError, KeyError) as exc:
+            reason = f"not applicable: {exc}"
+            return {f"{name}+{m}": {"derived_from": name, "method": m, "skipped": reason} for m in methods}
+
+        def score(alpha_model: nn.Module, out: dict[str, Any]) -> dict[str, Any]:
+            alpha_model.eval()
+            if task.val is not None:
+                out["val"] = trainer.evaluate(recipe, task.val, model=alpha_model)
+            if task.test is not None:
+                out["test"] = trainer.evaluate(recipe, task.test, model=alpha_model)
+            return out
+
+        def retained(alpha_model: nn.Module, arm_name: str) -> dict[str, Any] | None:
+            if self.retained is None:
+                return None
+            ctx = ArmContext(cfg, arm_name, seed, alpha_model, task, arm_dir, init, mode, trainer=trainer, recipe=recipe)
+            return self.retained(ctx)
+
+        base_info = {"derived_from": name, "init": str(init), "mode": mode, "seed": seed,
+                     "pretrained_side": "linear-probe head on the pretrained backbone" if setup["probe"]
+                     else "the pretrained model"}
+        try:
+            if "wise" in methods:
+                for alpha in cfg.adapt.wise_alpha:
+                    arm_name = f"{name}+wise@{alpha:g}"
+                    m = interp.set(alpha)
+                    out = score(m, {**base_info, "method": "wise", "alpha": alpha})
+                    r = retained(m, arm_name)
+                    if r is not None:
+                        out["retained"] = r
+                    derived[arm_name] = out
+                interp.restore()
+            if "dawin" in methods:
+                arm_name = f"{name}+dawin"
+                reason = None
+                if task.task not in ("multiclass", "binary"):
+                    reason = (f"not applicable: task {task.task!r} has no class logits (DaWin weighs two models by the "
+                              "entropy of their class predictions)")
+                elif not callable(getattr(recipe, "logits", None)):
+                    reason = (f"not applicable: family {self.name!r} recipe {type(recipe).__name__} has no "
+                              "logits(model, batch) -> Tensor[B, K] (or Tensor[B] for one binary logit)")
+                if reason is not None:
+                    derived[arm_name] = {"derived_from": name, "method": "dawin", "skipped": reason}
+                else:
+                    out = {**base_info, "method": "dawin", "dawin": {}}
+                    lam_means = []
+                    for split, ds in (("val", task.val), ("test", task.test)):
+                        if ds is None:
+                            continue
+                        res = robust.dawin_scores(trainer, recipe, ds, interp, components=cfg.adapt.dawin_components,
+                                                  seed=seed)
+                        out[split] = res["metrics"]
+                        out["dawin"][split] = {"lambda_mean": res["lambda_mean"], **res["mixture"]}
+                        lam_means.append(res["lambda_mean"])
+                    if self.retained is not None and lam_means:
+                        # the retained data has no per-sample lambda of the task: measured at the
+                        # task's mean lambda (test split when there is one), one merged model
+                        alpha = lam_means[-1]
+                        out["retained_alpha"] = alpha
+                        out["retained"] = retained(interp.set(alpha), arm_name)
+                    derived[arm_name] = out
+        finally:
+            interp.restore()
+        return derived
+
     # ------------------------------------------------------------------ one arm, one seed
 
     def _run_arm(self, cfg, arm: str, seed: int, task: TaskData, arm_dir: Path,
-                 stage_reports: list[dict[str, Any]], save: bool) -> dict[str, Any]:
+                 stage_reports: list[dict[str, Any]], save: bool, *, flow: bool = False, robust: bool = False,
+                 cache: dict | None = None, name: str | None = None) -> dict[str, Any]:
+        """One arm, one seed. ``flow``: train with FLOW's weighted loss; ``robust``: the arm is
+        eligible for the robust methods (the probe, interpolations). Returns the arm's result, with
+        the derived (interpolated) arms under the private key ``"_derived"``."""
         from lightning_fabric.utilities.seed import seed_everything
 
         from domainfm import lora, save_pretrained
         from domainfm.finetune.supervised import prepare_mode
 
+        name = name or arm
+        cache = {} if cache is None else cache
         init_kind, _, arm_mode = arm.partition(":")
         mode = arm_mode or cfg.adapt.mode
         seed_everything(seed, verbose=False)  # the same seed gives the same head / random init in every arm
@@ -230,7 +424,7 @@ class Family:
                                                     f"in-process {cfg.stages[-1].kind} stage"
                                                     + (f", which started from {started}" if started else ""))
         result: dict[str, Any] = {"init": str(init), "mode": mode, "seed": seed}
-        ctx = ArmContext(cfg, arm, seed, model, task, arm_dir, init, mode, results=result)
+        ctx = ArmContext(cfg, name, seed, model, task, arm_dir, init, mode, results=result)
         if self.protocols_before:
             model.eval()
             with torch.no_grad():
@@ -238,9 +432,16 @@ class Family:
                     _merge(result, protocol(ctx))
         if self.retained is not None:
             result["retained_before"] = self.retained(ctx)
+        setup: dict[str, Any] = {}
+        if robust and (flow or cfg.adapt.interpolations):
+            seed_everything(seed, verbose=False)
+            setup = self._robust_setup(cfg, arm, seed, model, task, arm_dir, flow, cache)
+            seed_everything(seed, verbose=False)  # the arm trains as it would without the probe
+            if flow:
+                result["flow"] = setup["flow"]
         total = sum(p.numel() for p in model.parameters())
         if mode != "none":
-            head = self.head(cfg, task) if callable(self.head) else self.head
+            head = self._head_names(cfg, task)
             prepare_mode(model, mode, head=head, lora=cfg.adapt.lora)
         else:
             for p in model.parameters():
@@ -253,16 +454,42 @@ class Family:
         monitor, direction = self.monitor(cfg, task)
         train_cfg = dataclasses.replace(cfg.train, seed=seed, monitor=monitor, monitor_mode=direction)
         if mode != "none" and task.train is not None:
-            fit = Trainer(train_cfg, run_dir=arm_dir).fit(recipe)
-            model = fit.model
+            if flow:
+                from domainfm.finetune.robust import FlowRecipe
+
+                fit = Trainer(train_cfg, run_dir=arm_dir).fit(FlowRecipe(recipe, setup["weights"], self.name))
+                model = fit.model
+                if cfg.adapt.flow_head_epochs > 0:
+                    # the official vision recipe's second round: the head alone, plain loss
+                    head_names = self._head_names(cfg, task)
+                    head_names = [head_names] if isinstance(head_names, str) else list(head_names)
+                    for n, p in model.named_parameters():
+                        p.requires_grad_(any(n == h or n.startswith(h + ".") for h in head_names))
+                    if any(p.requires_grad for p in model.parameters()):
+                        recipe.model = model
+                        head_fit = Trainer(dataclasses.replace(train_cfg, max_epochs=cfg.adapt.flow_head_epochs,
+                                                               max_steps=None, early_stopping_patience=None),
+                                           run_dir=arm_dir / "flow_head").fit(recipe)
+                        model = head_fit.model
+                        result["flow"]["head_epochs"] = cfg.adapt.flow_head_epochs
+                        result["flow"]["head_best_step"] = head_fit.best_step
+            else:
+                fit = Trainer(train_cfg, run_dir=arm_dir).fit(recipe)
+                model = fit.model
             result.update(best_step=fit.best_step, steps=fit.global_step)
+        model.eval()
+        recipe.model = model
+        eval_trainer = Trainer(dataclasses.replace(train_cfg, progress=False), run_dir=None)
+        derived: dict[str, Any] = {}
+        if setup and cfg.adapt.interpolations:
+            # before the LoRA merge: with adapters, interpolation is scaling their delta
+            derived = self._derived_arms(cfg, name, seed, model, task, arm_dir, init, mode, setup, eval_trainer, recipe)
         if mode == "lora":
             if save:
                 lora.save_adapter(model, arm_dir / "adapter", base_model_name=cfg.model.name)
             lora.merge(model, unload=True)  # RUN/<arm>/model holds the merged weights
         model.eval()
         recipe.model = model
-        eval_trainer = Trainer(dataclasses.replace(train_cfg, progress=False), run_dir=None)
         # scored with the model as saved, so that `domainfm evaluate` reproduces these figures
         if task.val is not None:
             result["val"] = eval_trainer.evaluate(recipe, task.val, model=model)
@@ -277,12 +504,19 @@ class Family:
             result["retained"] = self.retained(ctx)
         if save:
             result["model_dir"] = str(save_pretrained(model, arm_dir / "model"))
+        if derived:
+            result["_derived"] = derived
         return result
 
     # ------------------------------------------------------------------ public
 
     def run(self, cfg, run_dir: str | Path) -> dict[str, Any]:
-        """Run every stage, arm and seed of ``cfg`` into ``run_dir``; returns the nested report."""
+        """Run every stage, arm and seed of ``cfg`` into ``run_dir``; returns the nested report.
+
+        With ``adapt.sample_weighting=flow`` every eligible arm ``A`` is followed by ``A+flow``
+        (its own folder and saved model); with ``adapt.interpolation`` each eligible arm (plain and
+        ``+flow``) is followed by its interpolated arms ``A+wise@<alpha>`` / ``A+dawin`` (scores and
+        retained capability only; nothing saved) and ``report["wise_curve"][A]``."""
         start = time.perf_counter()
         folder = RunFolder(run_dir)
         stage_reports = []
@@ -290,44 +524,114 @@ class Family:
             stage_reports.append(run_stage(stage, folder.stage_dir(i, stage.family), seed=cfg.train.seed,
                                             resume=bool(cfg.train.resume)))
         task = self.data(cfg)
+        adapt = cfg.adapt
         report: dict[str, Any] = {
             "family": self.name, "kind": "finetune", "task": task.task, "model": cfg.model.name,
             "labels": task.labels, "data": task.info,
-            "adapt": {"mode": cfg.adapt.mode, "seeds": list(cfg.adapt.seeds)},
+            "adapt": {"mode": adapt.mode, "seeds": list(adapt.seeds)},
             "monitor": self.monitor(cfg, task)[0],
         }
+        if adapt.robust:
+            report["adapt"].update(sample_weighting=adapt.sample_weighting, interpolation=adapt.interpolation)
+            if adapt.sample_weighting == "flow":
+                report["adapt"].update(flow_temperature=adapt.flow_temperature, flow_head_epochs=adapt.flow_head_epochs)
+            if "wise" in adapt.interpolations:
+                report["adapt"]["wise_alpha"] = list(adapt.wise_alpha)
+            if "dawin" in adapt.interpolations:
+                report["adapt"]["dawin_components"] = adapt.dawin_components
+            report["adapt"]["probe_epochs"] = adapt.probe_epochs
         if stage_reports:
             report["stages"] = [{k: v for k, v in r.items() if isinstance(v, (int, float, str, bool))} for r in stage_reports]
         arms: dict[str, Any] = {}
+        skipped: dict[str, str] = {}
+        wise_curve: dict[str, list[dict[str, Any]]] = {}
+        cache: dict = {}
         for arm in cfg.arms:
-            runs = []
-            for k, offset in enumerate(cfg.adapt.seeds):
-                arm_dir = folder.arm_dir(arm, offset if len(cfg.adapt.seeds) > 1 else None)
-                runs.append(self._run_arm(cfg, arm, cfg.train.seed + offset, task, arm_dir, stage_reports,
-                                          save=k == 0))
-                if k == 0 and len(cfg.adapt.seeds) > 1:  # the first repeat's model is the arm's model
-                    import shutil
+            reason = self.robust_skip_reason(cfg, arm, stage_reports) if adapt.robust else None
+            if reason is not None:
+                skipped[arm] = reason
+            eligible = adapt.robust and reason is None
+            variants = [(arm, False)]
+            if eligible and adapt.sample_weighting == "flow":
+                variants.append((f"{arm}+flow", True))
+            for name, flow in variants:
+                runs, derived_runs = [], {}
+                for k, offset in enumerate(adapt.seeds):
+                    arm_dir = folder.arm_dir(name, offset if len(adapt.seeds) > 1 else None)
+                    result = self._run_arm(cfg, arm, cfg.train.seed + offset, task, arm_dir, stage_reports,
+                                           save=k == 0, flow=flow, robust=eligible, cache=cache, name=name)
+                    for dname, dres in result.pop("_derived", {}).items():
+                        derived_runs.setdefault(dname, []).append(dres)
+                    runs.append(result)
+                    if k == 0 and len(adapt.seeds) > 1:  # the first repeat's model is the arm's model
+                        import shutil
 
-                    for name in ("model", "adapter"):
-                        if (arm_dir / name).is_dir():
-                            shutil.move(str(arm_dir / name), str(folder.arm_dir(arm) / name))
-                            runs[0][f"{name}_dir"] = str(folder.arm_dir(arm) / name)
-            arms[arm] = aggregate_seeds(runs)
+                        for sub in ("model", "adapter"):
+                            if (arm_dir / sub).is_dir():
+                                shutil.move(str(arm_dir / sub), str(folder.arm_dir(name) / sub))
+                                runs[0][f"{sub}_dir"] = str(folder.arm_dir(name) / sub)
+                arms[name] = aggregate_seeds(runs)
+                for dname, dres in derived_runs.items():
+                    arms[dname] = aggregate_seeds(dres) if "skipped" not in dres[0] else dres[0]
+                curve = [dict(alpha=arms[d]["alpha"], **{s: arms[d][s] for s in ("val", "test", "retained", "val_std",
+                                                                                   "test_std", "retained_std")
+                                                         if s in arms[d]})
+                         for d in derived_runs if arms[d].get("method") == "wise" and "skipped" not in arms[d]]
+                if curve:
+                    wise_curve[name] = curve
         first = next(iter(arms.values()))
         report["params"] = first.get("params", {})
         report["arms"] = arms
+        if adapt.robust:
+            report["robust"] = {"skipped_arms": skipped} if skipped else {}
+        if wise_curve:
+            report["wise_curve"] = wise_curve
         if self.retained is not None:
             source = arms.get("pretrained") or first
             report["retained_capability"] = {"metric": self.retained.metric, "direction": self.retained.direction,
                                              "description": self.retained.description}
             report["retained_before"] = source.get("retained_before", {})
         report.update(pictures.run_pictures(report, folder.path))
+        if self.retained is not None:
+            picture = self._tradeoff_picture(report, folder.path)
+            if picture is not None:
+                report.setdefault("pictures", {})["tradeoff"] = picture
         report["wall_time_s"] = round(time.perf_counter() - start, 2)
         return report
 
+    def _tradeoff_picture(self, report: dict[str, Any], run_dir: Path) -> str | None:
+        """``RUN/tradeoff.png``: the monitored target metric (test split when there is one) against
+        the retained capability, for every arm and along each WiSE curve."""
+        from domainfm.finetune.robust import plot_tradeoff
+
+        metric = report["monitor"].split("/", 1)[-1]
+        retained_metric = self.retained.metric
+
+        def point(entry: dict[str, Any]) -> tuple[Any, Any]:
+            split = "test" if metric in entry.get("test", {}) else "val"
+            return entry.get(split, {}).get(metric), entry.get("retained", {}).get(retained_metric)
+
+        points = []
+        for name, entry in report["arms"].items():
+            if entry.get("method") == "wise" or "skipped" in entry:
+                continue
+            target, kept = point(entry)
+            points.append({"arm": name, "target": target, "retained": kept})
+        curves = {name: [{"alpha": p["alpha"], **dict(zip(("target", "retained"), point(p)))} for p in curve]
+                  for name, curve in report.get("wise_curve", {}).items()}
+        if not any(p["target"] is not None and p["retained"] is not None for p in points) and not curves:
+            return None
+        split = "test" if any(metric in e.get("test", {}) for e in report["arms"].values()) else "val"
+        plot_tradeoff(points, curves, run_dir / "tradeoff.png", target=f"{split} {metric}",
+                      retained=f"{retained_metric} ({'higher' if self.retained.direction == 'max' else 'lower'} is better)",
+                      title=f"{self.name}: target vs retained capability",
+                      retained_before=report.get("retained_before", {}).get(retained_metric))
+        return "tradeoff.png"
+
     def evaluate(self, cfg, run_dir: str | Path) -> dict[str, Any]:
         """Score every arm's saved model (``RUN/<arm>/model``) on validation and test again and
-        compare with the report (``max_abs_diff_val``)."""
+        compare with the report (``max_abs_diff_val``). Interpolated arms (``+wise@``, ``+dawin``)
+        have no saved model: they are listed with the reason, not re-scored."""
         from domainfm import create_model
 
         folder = RunFolder(run_dir)
@@ -336,6 +640,10 @@ class Family:
         out: dict[str, Any] = {"family": self.name, "arms": {}}
         worst = 0.0
         for arm, recorded in report["arms"].items():
+            if "derived_from" in recorded:
+                out["arms"][arm] = {"skipped": f"derived from {recorded['derived_from']!r} by {recorded.get('method')} "
+                                               "interpolation, not saved: `domainfm finetune` recomputes it"}
+                continue
             model_dir = folder.model_dir(arm)
             if not model_dir.is_dir():
                 raise RunFolderError(f"{model_dir}: no saved model for arm {arm!r}")
@@ -355,4 +663,3 @@ class Family:
             out["arms"][arm] = arm_out
         out["max_abs_diff_val"] = worst
         return out
-

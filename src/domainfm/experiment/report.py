@@ -14,9 +14,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["aggregate_seeds", "flatten", "table_rows", "format_table", "print_table", "to_markdown"]
+__all__ = ["aggregate_seeds", "flatten", "table_rows", "format_table", "print_table", "to_markdown", "wise_markdown"]
 
-_NOT_METRICS = {"init", "mode", "best_step", "steps", "seed", "seeds", "model_dir", "adapter_dir", "skipped", "params"}
+_NOT_METRICS = {"init", "mode", "best_step", "steps", "seed", "seeds", "model_dir", "adapter_dir", "skipped", "params",
+                "alpha", "derived_from", "method", "pretrained_side"}
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -139,7 +140,37 @@ def _lines(items: Iterable[tuple[str, Any]]) -> list[str]:
     return [f"- **{k}**: {v}" for k, v in items]
 
 
+def wise_markdown(report: Mapping[str, Any]) -> list[str]:
+    """The WiSE curves (``report["wise_curve"]``) as one table per fine-tuned arm: alpha, the
+    monitored metric on val/test and the retained capability's metric."""
+    curves = report.get("wise_curve") or {}
+    if not curves:
+        return []
+    metric = str(report.get("monitor", "")).split("/", 1)[-1]
+    kept = (report.get("retained_capability") or {}).get("metric")
+    lines = ["## WiSE-FT curves", "",
+             "theta(alpha) = (1 - alpha) * pretrained + alpha * fine-tuned (alpha 0: the pretrained side, "
+             "alpha 1: the fine-tuned arm)", ""]
+    for arm, curve in curves.items():
+        header = ["alpha", f"val {metric}", f"test {metric}"] + ([f"retained {kept}"] if kept else [])
+        lines += [f"**{arm}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for point in curve:
+            row = [f"{point['alpha']:g}", _fmt(point.get("val", {}).get(metric)), _fmt(point.get("test", {}).get(metric))]
+            if kept:
+                row.append(_fmt(point.get("retained", {}).get(kept)))
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return lines
+
+
 def to_markdown(report: Mapping[str, Any]) -> str:
     head = [f"# {report.get('family', '')} {report.get('kind', 'finetune')} report", ""]
     head += _lines((k, report[k]) for k in ("task", "model", "labels", "params", "wall_time_s") if k in report)
-    return "\n".join(head + ["", format_table(report, markdown=True), ""])
+    if report.get("retained_capability"):
+        cap = report["retained_capability"]
+        head += _lines([("retained capability", f"{cap.get('metric')} ({cap.get('direction')}): {cap.get('description', '')}")])
+    tail = wise_markdown(report)
+    skipped = (report.get("robust") or {}).get("skipped_arms") or {}
+    if skipped:
+        tail += ["## Arms without FLOW / WiSE / DaWin", ""] + _lines(skipped.items()) + [""]
+    return "\n".join(head + ["", format_table(report, markdown=True), ""] + tail)
