@@ -187,14 +187,21 @@ def test_dawin_and_wise_with_lora(pretrained, tmp_path):
     assert (tmp_path / "run" / "tradeoff.png").is_file()
 
 
-def test_dawin_is_not_applicable_without_class_logits(pretrained, tmp_path):
+def test_regression_flow_with_head_round_and_dawin_not_applicable(pretrained, tmp_path):
     folder, head = pretrained
     cfg = ToyConfig(task="regression", model=ModelSection(name=NAME, pretrained=folder),
-                    adapt=AdaptSection(interpolation="dawin", probe_epochs=1), arms=["pretrained"])
+                    adapt=AdaptSection(sample_weighting="flow", flow_head_epochs=1, interpolation="dawin",
+                                       probe_epochs=1), arms=["pretrained"])
     cfg.train.max_epochs = 1
     report = _family(head).run(cfg, tmp_path / "run")
-    skipped = report["arms"]["pretrained+dawin"]["skipped"]
-    assert skipped.startswith("not applicable: task 'regression'")
+    arms = report["arms"]
+    assert list(arms) == ["pretrained", "pretrained+dawin", "pretrained+flow", "pretrained+flow+dawin"]
+    assert arms["pretrained+dawin"]["skipped"].startswith("not applicable: task 'regression'")
+    assert "r2" in arms["pretrained+flow"]["test"]
+    # the official second round: the head alone, plain loss, in its own folder
+    assert arms["pretrained+flow"]["flow"]["head_epochs"] == 1
+    assert (tmp_path / "run" / "pretrained+flow" / "flow_head" / "metrics.jsonl").is_file()
+    assert "flow_head_epochs" in report["adapt"]
 
 
 def test_flow_needs_per_sample_loss(pretrained, tmp_path):

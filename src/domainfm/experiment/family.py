@@ -433,12 +433,14 @@ class Family:
         if self.retained is not None:
             result["retained_before"] = self.retained(ctx)
         setup: dict[str, Any] = {}
-        if robust and (flow or cfg.adapt.interpolations):
+        if robust:
+            if flow or cfg.adapt.interpolations:
+                seed_everything(seed, verbose=False)
+                setup = self._robust_setup(cfg, arm, seed, model, task, arm_dir, flow, cache)
+                if flow:
+                    result["flow"] = dict(setup["flow"])
+            # the plain arm and its +flow twin adapt from the same random state (LoRA init), probe or not
             seed_everything(seed, verbose=False)
-            setup = self._robust_setup(cfg, arm, seed, model, task, arm_dir, flow, cache)
-            seed_everything(seed, verbose=False)  # the arm trains as it would without the probe
-            if flow:
-                result["flow"] = setup["flow"]
         total = sum(p.numel() for p in model.parameters())
         if mode != "none":
             head = self._head_names(cfg, task)
