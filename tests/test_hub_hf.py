@@ -497,3 +497,43 @@ def test_saved_folder_on_the_hub_loads_by_repo_id(fake_hub, tiny_zoo, tmp_path, 
     fake_hub.add("org/upstream", "model.safetensors", safetensors_bytes(model.state_dict()))
     with pytest.raises(HubError, match="pretrained="):
         domainfm.create_model("hf://org/upstream", progress=False)
+
+
+@pytest.mark.parametrize("name", ["explora-dinov2-vit-small", "explora-dinov2-vit-base", "explora-dinov2-vit-large",
+                                  "explora-mae-vit-base", "explora-mae-vit-large"])
+def test_timm_starting_points_fit_their_cards(name):
+    """timm's pretrained model for each start has our card's keys and shapes (on the meta device,
+    no memory), except DINOv2's position table at 518 px, which the card's converter resamples."""
+    import timm
+
+    from domainfm.zoo import get_card
+
+    (source,) = get_card(name).weights
+    assert source.url.startswith("timm://") and source.converter == "official"
+    tag = source.url[len("timm://"):]
+    with torch.device("meta"):
+        theirs = timm.create_model(tag, pretrained=False).state_dict()
+        ours = domainfm.create_model(name).state_dict()
+    assert sorted(theirs) == sorted(ours)
+    differ = [k for k in ours if ours[k].shape != theirs[k].shape]
+    assert differ == (["pos_embed"] if "dinov2" in name else [])
+    assert get_card(name).license == source.license == ("Apache-2.0" if "dinov2" in name else "CC-BY-NC-4.0")
+
+
+def test_dinov2_start_loads_timms_file_from_the_hub(fake_hub):
+    """``explora-dinov2-vit-small``, pretrained=True: timm's file (518-px position table) is fetched
+    from the repository timm names, verified, converted and loaded; every tensor but the resampled
+    position table equals timm's."""
+    import timm
+    from timm.layers import resample_abs_pos_embed
+
+    torch.manual_seed(0)
+    reference = timm.create_model("vit_small_patch14_dinov2.lvd142m", pretrained=False)
+    sd = {k: v.contiguous() for k, v in reference.state_dict().items()}
+    cfg = timm.models.get_pretrained_cfg("vit_small_patch14_dinov2.lvd142m")
+    fake_hub.add(cfg.hf_hub_id, "model.safetensors", safetensors_bytes(sd))
+    model = domainfm.create_model("explora-dinov2-vit-small", pretrained=True, progress=False)
+    got = model.state_dict()
+    assert got["pos_embed"].shape == (1, 1 + 16 * 16, 384)
+    assert torch.equal(got["pos_embed"], resample_abs_pos_embed(sd["pos_embed"], new_size=[16, 16], num_prefix_tokens=1))
+    assert all(torch.equal(got[k], v) for k, v in sd.items() if k != "pos_embed")

@@ -121,3 +121,22 @@ def test_builder_must_return_a_module(tiny_zoo):
 def test_pretrained_true_without_weights_raises(tiny_zoo):
     with pytest.raises(domainfm.hub.HubError, match="no pretrained weights"):
         domainfm.create_model("dfmtest-tiny", pretrained=True)
+
+
+def test_hub_sources_may_leave_the_sha256_to_the_hub_and_the_lock():
+    source = WeightSource("hf://org/repo/w.safetensors", revision="a" * 40)
+    assert source.sha256 is None and source.pinned == "revision"
+    assert WeightSource("timm://vit_small_patch14_dinov2.lvd142m").pinned == "lock"
+    assert WeightSource("hf://org/repo/w.pth", sha256="AB" * 32).pinned == "sha256"
+    with pytest.raises(ValueError, match="needs a pinned sha256"):  # nothing else vouches for a plain URL
+        WeightSource("https://example.org/w.pth")
+    with pytest.raises(ValueError, match="64 hex digits"):
+        WeightSource("hf://org/repo/w.pth", sha256="")
+
+
+def test_card_domain_for_model_card_tags(tiny_zoo):
+    assert zoo.get_card("cbramod-base").domain == "eeg"
+    assert zoo.get_card("explora-test").domain == "remote-sensing"
+    tiny_zoo.register("dfmtest-dom", input_spec={"n_chans": 3, "domain": "seismology"})
+    assert zoo.get_card("dfmtest-dom").domain == "seismology"
+    assert zoo.get_card("dfmtest-tiny").domain is None
