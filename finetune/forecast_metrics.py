@@ -308,16 +308,33 @@ def geometric_mean(values: ArrayLike) -> float:
     return float(np.exp(np.mean(np.log(v))))
 
 
-def forecast_scores(windows: list[dict[str, Any]], samples: np.ndarray | None, quantile_levels) -> dict[str, float]:
+def forecast_scores(windows: list[dict[str, Any]], samples: np.ndarray | None, quantile_levels, *,
+                    quantiles: np.ndarray | None = None) -> dict[str, float]:
     """MASE and WQL per dataset for model and seasonal naive, and their geometric means relative
     to seasonal naive across datasets.
 
     Args:
         windows: held-out windows (``context``, ``future``, ``freq``, optional ``dataset``).
-        samples: (N, S, H) forecast samples; ``None`` scores only the seasonal-naive baseline
-            (then there is no model score and no relative score).
+        samples: (N, S, H) forecast samples (MASE scores their median, WQL their quantiles at
+            ``quantile_levels``); ``None`` with ``quantiles=None`` scores only the seasonal-naive
+            baseline (then there is no model score and no relative score).
+        quantiles: (N, H, Q) quantile forecasts at ``quantile_levels`` (a quantile forecaster such
+            as Chronos-Bolt; GluonTS ``QuantileForecast``): WQL scores them as they are and MASE
+            scores the 0.5 level, which ``quantile_levels`` must then contain. Exclusive with
+            ``samples``.
     """
     levels = [float(q) for q in quantile_levels]
+    if quantiles is not None:
+        if samples is not None:
+            raise ValueError("forecast_scores: pass samples or quantiles, not both")
+        quantiles = np.asarray(quantiles, dtype=np.float64)
+        if quantiles.ndim != 3 or quantiles.shape[0] != len(windows) or quantiles.shape[-1] != len(levels):
+            raise ValueError(f"quantiles: expected shape ({len(windows)}, H, {len(levels)}) (windows, horizon, "
+                             f"quantile levels), got {quantiles.shape}")
+        medians = [i for i, q in enumerate(levels) if abs(q - 0.5) < 1e-9]
+        if not medians:
+            raise ValueError(f"quantile_levels={levels}: MASE scores the median; include 0.5 with quantile forecasts")
+    has_model = samples is not None or quantiles is not None
     by_dataset: dict[str, list[int]] = {}
     for i, w in enumerate(windows):
         by_dataset.setdefault(w.get("dataset", "series"), []).append(i)
@@ -333,14 +350,19 @@ def forecast_scores(windows: list[dict[str, Any]], samples: np.ndarray | None, q
         naive = seasonal_naive_forecast(insample, future.shape[1], season)
         out[f"{name}.naive_mase"] = mase(future, naive, insample, season)
         out[f"{name}.naive_wql"] = wql(future, np.repeat(naive[..., None], len(levels), -1), levels)
-        if samples is not None:
-            s = np.asarray(samples, dtype=np.float64)[idx]
-            quantiles = np.moveaxis(np.quantile(s, levels, axis=1), 0, -1)  # (n, H, Q)
-            out[f"{name}.mase"] = mase(future, np.median(s, axis=1), insample, season)
-            out[f"{name}.wql"] = wql(future, quantiles, levels)
+        if has_model:
+            if samples is not None:
+                s = np.asarray(samples, dtype=np.float64)[idx]
+                q_pred = np.moveaxis(np.quantile(s, levels, axis=1), 0, -1)  # (n, H, Q)
+                median = np.median(s, axis=1)
+            else:
+                q_pred = quantiles[idx]
+                median = q_pred[..., medians[0]]
+            out[f"{name}.mase"] = mase(future, median, insample, season)
+            out[f"{name}.wql"] = wql(future, q_pred, levels)
             rel_mase.append(out[f"{name}.mase"] / out[f"{name}.naive_mase"])
             rel_wql.append(out[f"{name}.wql"] / out[f"{name}.naive_wql"])
-    if samples is not None:  # geometric mean over datasets of model / seasonal naive
+    if has_model:  # geometric mean over datasets of model / seasonal naive
         out["mase_rel"], out["wql_rel"] = geometric_mean(rel_mase), geometric_mean(rel_wql)
     out["n_datasets"] = float(len(by_dataset))
     return out

@@ -89,15 +89,16 @@ def test_finetune_cli_writes_both_arms_evaluate_reproduces_and_predict_uses_the_
                            "target": np.r_[np.sin(np.arange(30)), np.arange(20.0)]})
     series.to_csv(tmp_path / "in.csv", index=False)
     common = ["--input", str(tmp_path / "in.csv"), "--prediction-length", "5", "--quantiles", "0.1,0.5,0.9"]
-    assert cli.main(["predict", "wavetoken", *common, "--output", str(tmp_path / "out.csv"), "--run", str(run)]) == 0
+    assert cli.main(["predict", "wavetoken", *common, "--output", str(tmp_path / "out.csv"), "--model", str(run)]) == 0
     pred = pd.read_csv(tmp_path / "out.csv", parse_dates=["timestamp"])
     assert list(pred.columns) == ["item_id", "timestamp", "mean", "0.1", "0.5", "0.9"]
     assert len(pred) == 10
     assert pred.timestamp.iloc[0] == pd.Timestamp("2020-01-31") and pred.timestamp.iloc[5] == pd.Timestamp("2021-01-01 20:00")
     assert ((pred["0.1"] <= pred["0.5"]) & (pred["0.5"] <= pred["0.9"])).all()
-    # --run reads RUN/<first arm>/model: the same forecasts as naming that folder with --pretrained
+    # a run folder as --model reads RUN/<first arm>/model with the run's eval settings (eval.num_samples=4):
+    # the same forecasts as naming that folder with --pretrained and those settings
     assert cli.main(["predict", "wavetoken", *common, "--output", str(tmp_path / "same.csv"), "--model", "wavetoken-test",
-                     "--pretrained", str(run / "pretrained" / "model")]) == 0
+                     "--pretrained", str(run / "pretrained" / "model"), "--num-samples", "4", "--no-plot"]) == 0
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "same.csv", parse_dates=["timestamp"]), pred)
 
 
