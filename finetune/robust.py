@@ -20,6 +20,19 @@ interpolation, and the picture of target metric against retained capability.
   plain ratio, which is what is computed here.
 - :func:`plot_tradeoff`: target metric against retained capability for every arm of a report and
   along each WiSE curve.
+
+Recipe contract (what the experiment layer calls on a family's recipe):
+
+- FLOW: ``recipe.per_sample_loss(model, batch) -> Tensor[B]``, the *unreduced* training loss of
+  each sample of a training batch (a batch as ``recipe.collate_fn`` builds it), such that its mean
+  is what ``recipe.step`` minimises. The shared ``SupervisedRecipe`` implements it; a family
+  recipe without it makes ``adapt.sample_weighting=flow`` a ``TypeError`` naming the family, the
+  recipe and the method. The weights are computed once, in dataset order over ``task.train``
+  (:func:`per_sample_losses`), and each batch carries its samples' weights
+  (:class:`WeightedDataset` + :func:`weighted_collate`); :class:`FlowRecipe` multiplies.
+- DaWin: ``recipe.logits(model, batch) -> Tensor[B, K]`` (or ``Tensor[B]`` for one binary
+  logit) on an evaluation batch, and ``recipe.eval_step`` outputs whose first axis is the batch
+  (they are reassembled in dataset order before ``recipe.metrics``).
 """
 from __future__ import annotations
 
