@@ -28,8 +28,11 @@ def _finetune(root, name, *overrides):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    return {"karate": _finetune(root, "karate", "data.dataset=karate", "train.monitor=val/accuracy"),
-            "mutag": _finetune(root, "mutag", "data.dataset=mutag", "train.max_epochs=1")}
+    # the karate run also compares a trained arm with an untrained one (retained capability)
+    return {"karate": _finetune(root, "karate", "data.dataset=karate", "train.monitor=val/accuracy",
+                                "arms=[random, random:none]", "retained.n_episodes=5"),
+            "mutag": _finetune(root, "mutag", "data.dataset=mutag", "train.max_epochs=1"),
+            "link": _finetune(root, "link", "data.dataset=karate", "data.task=link", "train.max_epochs=1")}
 
 
 def _net(run):
@@ -190,10 +193,25 @@ def test_settings_come_from_the_run_folder(runs):
     assert FG.model_settings("git-test").source.startswith("defaults")
 
 
-def test_report_carries_retained_before_and_per_arm_retained(tmp_path):
-    run = _finetune(tmp_path, "ret", "data.dataset=karate", "train.monitor=val/accuracy", "arms=[random, random:none]",
-                    "retained.n_episodes=5")
-    report = json.loads((run / "report.json").read_text())
+def test_link_prediction_model_scores_node_pairs(tmp_path, runs):
+    frame = _predict_cli(tmp_path, runs["link"], "karate", name="links.csv")  # the run's task: edges
+    ds = G.load_karate()
+    pairs = torch.unique(torch.sort(ds.edge_index, 0).values, dim=1)
+    assert frame[["source", "target"]].to_numpy().tolist() == pairs.t().tolist()
+    assert frame["class_name"].isin(G.LINK_CLASS_TEXTS).all()
+    net = _net(runs["link"])
+    assert isinstance(net.head, torch.nn.Identity)  # no head: pooled endpoints' scaled dot product
+    with torch.no_grad():
+        p = net.pooling_lin(net.forward_features(ds.x, ds.edge_index))
+        score = (p[pairs[0]] * p[pairs[1]]).sum(-1) / math.sqrt(p.shape[1])
+    np.testing.assert_allclose(frame["p_1"], torch.sigmoid(score).numpy(), atol=2e-6)
+    np.testing.assert_allclose(_probs(frame).sum(1), 1.0, atol=1e-6)
+    with pytest.raises(G.GraphError, match="link-prediction model scores node pairs"):
+        FG.predict("karate", runs["link"], task="node")
+
+
+def test_report_carries_retained_before_and_per_arm_retained(runs):
+    report = json.loads((runs["karate"] / "report.json").read_text())
     assert report["retained_capability"]["metric"] == "accuracy"
     before = report["retained_before"]
     assert set(before) >= {"accuracy", "nations", "mutag"} and "karate" not in before  # not the tuned graph
