@@ -49,7 +49,8 @@ from .forecast import DEFAULT_QUANTILES
 from .t5 import Stack, T5EncoderDecoder, _mask_bias
 from .tokenizer import left_pad_and_stack
 
-__all__ = ["ChronosBolt", "ResidualBlock", "instance_norm", "patchify", "quantile_loss"]
+__all__ = ["ChronosBolt", "ResidualBlock", "instance_norm", "patchify", "quantile_loss", "load_chronos_bolt",
+           "convert_chronos_bolt", "BOLT_SIZES", "CHRONOS_BOLT_REVISIONS"]
 
 #: the activations a Hugging Face T5 config may name in ``dense_act_fn`` that we support
 #: (``gelu_new`` is the tanh approximation, as in transformers)
@@ -428,8 +429,10 @@ class ChronosBolt(nn.Module):
 
     @torch.no_grad()
     def embed(self, context, *, return_state: bool = False):
-        """Encoder states (B, N [+1 for REG], d_model) of the context, as ``ChronosBoltPipeline.embed``;
-        ``return_state=True`` also returns ``(loc, scale)``, each (B,)."""
+        """Encoder states (B, N [+1 for REG], d_model) of the context on the model's device, as
+        ``ChronosBoltPipeline.embed`` (which moves them to the CPU); ``return_state=True`` also
+        returns ``(loc, scale)``, each (B,), as :meth:`.forecast.TokenForecaster.embed` returns its
+        tokenizer state."""
         states, _, (loc, scale) = self.encode(self.prepare_context(context))
         return (states, (loc.squeeze(-1), scale.squeeze(-1))) if return_state else states
 
@@ -522,7 +525,7 @@ class ChronosBolt(nn.Module):
 
 from domainfm.zoo import WeightSource, register_model  # noqa: E402
 
-from .chronos_bolt_convert import convert_chronos_bolt  # noqa: E402
+from .chronos_bolt_convert import convert_chronos_bolt, load_chronos_bolt  # noqa: E402,F401
 
 CHRONOS_BOLT_PAPER = "https://arxiv.org/abs/2403.07815"  # Chronos; Bolt is described in its repository and model cards
 

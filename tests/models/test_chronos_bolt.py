@@ -4,6 +4,7 @@ layout, loaded both by ``BaseChronosPipeline.from_pretrained`` and by
 ``domainfm.create_model(name, pretrained=DIR)``, and the forecasts, embeddings and losses compared."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -348,3 +349,17 @@ def test_patchify_pads_left_and_respects_the_stride():
     assert patches[0, 2].tolist() == [6.0, 7.0, 8.0, 9.0]
     overlapping = patchify(x, 4, 2, 0.0)
     assert overlapping.shape == (1, 5, 4) and overlapping[0, 1].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_cards_name_the_published_repositories():
+    for size, shape in (("tiny", (256, 1024, 4, 4)), ("mini", (384, 1536, 4, 8)), ("small", (512, 2048, 6, 8)),
+                        ("base", (768, 3072, 12, 12))):
+        card = zoo.get_card(f"chronos-bolt-{size}")
+        d = card.defaults
+        assert (d["d_model"], d["d_ff"], d["num_layers"], d["num_heads"], d["d_kv"]) == (*shape, 64)
+        assert card.license == "Apache-2.0" and "official" in card.converters and card.head == ("quantile_head",)
+        if "revision" in {f.name for f in dataclasses.fields(zoo.WeightSource)}:  # the zoo pins Hub revisions
+            (source,) = card.weights
+            assert source.url == f"hf://amazon/chronos-bolt-{size}" and source.converter == "official"
+            assert len(source.revision) == 40 and source.license == "Apache-2.0"
+    assert domainfm.model_info("chronos-bolt-small")["num_params"] == 47_718_016  # the published checkpoint's count
