@@ -155,3 +155,31 @@ def test_shipped_sample_recording_reads():
     assert set(raw.annotations.description) == {"T0"}
     picked = eeg.pick_channels(raw, ["Fp1", "T7", "Oz"])
     assert picked.ch_names == ["Fp1", "T7", "Oz"]
+
+
+def test_recording_windows_for_inference(tmp_path):
+    data = _signal(n_ch=3, seconds=9.0)
+    path = _write_edf(tmp_path / "rec.edf", data)
+    settings = EEGSettings(channels=["C3", "Fp1"], window_s=2.0, reference="average", **NO_FILTER)
+    x, starts = eeg.recording_windows(path, settings)
+    # every window from the first sample (no trim, no rejection), picked channels referenced
+    assert x.shape == (4, 2, 400) and np.allclose(starts, [0, 2, 4, 6])
+    picked = data[[2, 0]] - data[[2, 0]].mean(axis=0)
+    np.testing.assert_allclose(x[1], picked[:, 400:800] / 100, atol=1e-4)
+    # the same as load_windows' fixed windows for an unlabelled file
+    np.testing.assert_allclose(x, eeg.load_windows(path, settings)[0])
+    # reference_all: the average over every EEG channel of the file, then the pick
+    x_all, _ = eeg.recording_windows(path, settings, stride_s=1.0, reference_all=True)
+    every = data - data.mean(axis=0)
+    assert x_all.shape == (8, 2, 400)
+    np.testing.assert_allclose(x_all[1], every[[2, 0], 200:600] / 100, atol=1e-4)
+    # an MNE Raw in, errors named after `source`
+    raw = eeg.read_raw(path)
+    with pytest.raises(EEGError, match=r"^my-recording: channel\(s\) \['O1'\] not found"):
+        eeg.recording_windows(raw, EEGSettings(channels=["O1"], **NO_FILTER), source="my-recording")
+    with pytest.raises(EEGError, match=r"rec\.edf: channel\(s\) \['O1'\] not found"):
+        eeg.recording_windows(path, EEGSettings(channels=["O1"], **NO_FILTER), reference_all=True)
+    with pytest.raises(EEGError, match="recording too short: 9.00 s available"):
+        eeg.recording_windows(path, EEGSettings(window_s=10.0, **NO_FILTER))
+    with pytest.raises(EEGError, match="below the target 400 Hz"):
+        eeg.recording_windows(path, EEGSettings(sfreq=400.0, window_s=2.0, **NO_FILTER))
