@@ -204,9 +204,16 @@ class RunFolder:
         return atomic_write_json(self.meta_file, meta)
 
     def write_report(self, report: dict[str, Any]) -> Path:
+        """``report.json`` and ``report.md`` (the comparison table, then every picture the report
+        lists, embedded: see :func:`domainfm.experiment.pictures.markdown_section`)."""
+        from domainfm.experiment.pictures import markdown_section
         from domainfm.experiment.report import to_markdown
 
-        atomic_write_text(self.path / "report.md", to_markdown(report))
+        text = to_markdown(report)
+        section = markdown_section(report)
+        if section:
+            text = text.rstrip("\n") + "\n\n" + section + "\n"
+        atomic_write_text(self.path / "report.md", text)
         return atomic_write_json(self.report_file, report)
 
     def write_json(self, name: str, obj: Any) -> Path:
