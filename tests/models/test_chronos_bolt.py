@@ -363,3 +363,31 @@ def test_cards_name_the_published_repositories():
             assert source.url == f"hf://amazon/chronos-bolt-{size}" and source.converter == "official"
             assert len(source.revision) == 40 and source.license == "Apache-2.0"
     assert domainfm.model_info("chronos-bolt-small")["num_params"] == 47_718_016  # the published checkpoint's count
+
+
+def test_pretrained_true_loads_the_registered_repository(upstream_dirs, monkeypatch):
+    """create_model(..., pretrained=True) and load_chronos_bolt("hf://...") go through the card's
+    whole-repository source (pinned revision) and the official converter; the download itself is
+    replaced by the upstream folder written here (the hub's own tests cover downloading)."""
+    from domainfm import hub
+    from domainfm.models.wavetoken.chronos_bolt import load_chronos_bolt
+
+    card = zoo.get_card("chronos-bolt-tiny")
+    if not card.weights:
+        pytest.skip("this zoo registers no weight source without a full sha256")
+    directory = upstream_dirs("chronos-bolt-tiny")
+    asked = []
+
+    def fake_fetch_hf_repo(url, **kwargs):
+        asked.append((url, kwargs.get("revision")))
+        return directory
+
+    monkeypatch.setattr(hub, "fetch_hf_repo", fake_fetch_hf_repo)
+    model = domainfm.create_model("chronos-bolt-tiny", pretrained=True).eval()
+    assert model.domainfm_load_report.converter == "official"
+    again = load_chronos_bolt("hf://amazon/chronos-bolt-tiny").eval()
+    assert again.domainfm_name == "chronos-bolt-tiny"  # variant chosen from config.json's sizes
+    assert asked == [("hf://amazon/chronos-bolt-tiny", card.weights[0].revision)] * 2
+    ref_q, _ = _pipeline(directory).predict_quantiles(_contexts())
+    torch.testing.assert_close(model.predict_quantiles(_contexts())[0], ref_q, atol=1e-5, rtol=0)
+    torch.testing.assert_close(again.predict_quantiles(_contexts())[0], ref_q, atol=1e-5, rtol=0)
