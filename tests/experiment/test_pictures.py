@@ -160,6 +160,14 @@ def test_scores_come_from_the_recipe_and_the_matrix_from_them(tmp_path, tiny_zoo
     assert out == {"pictures": {"confusion_matrix": "pretrained/confusion_matrix.png"}}
     _check_png(tmp_path / "pretrained" / "confusion_matrix.png")
 
+    # a picture whose drawing fails is left out with a warning naming it; the run goes on
+    def broken(model, batch):
+        raise RuntimeError("no forward today")
+
+    recipe.eval_step = broken
+    with pytest.warns(RuntimeWarning, match="confusion_matrix.*no forward today"):
+        assert pictures.arm_pictures(ctx) == {}
+
 
 def test_run_pictures_keeps_pictures_from_others_and_skips_what_it_cannot_draw(tmp_path):
     report = {"family": "x", "monitor": "val/accuracy", "pictures": {"tradeoff": "tradeoff.png"},

@@ -264,40 +264,65 @@ def roc_picture(y_true: np.ndarray, prob: np.ndarray, out: Path, *, title: str =
 # ----------------------------------------------------------------------------- hooks
 
 
+def _skipped(name: str, where: Any, err: BaseException) -> None:
+    import warnings
+
+    warnings.warn(f"picture {name} of {where} not drawn: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
+
+
 def arm_pictures(ctx) -> dict[str, Any]:
-    """The pictures every arm gets (after adaptation, on its selected model)."""
+    """The pictures every arm gets (after adaptation, on its selected model). A picture whose
+    drawing fails is left out with a warning: pictures never end a finished run."""
     arm_dir = Path(ctx.run_dir)
     root = _run_root(ctx)
     label = f"{ctx.arm} (seed {ctx.seed})"
     pictures: dict[str, str] = {}
     monitor = getattr(getattr(ctx.trainer, "config", None), "monitor", None) or ctx.cfg.train.monitor
-    curve = learning_curve(arm_dir / "metrics.jsonl", arm_dir / "learning_curve.png", monitor=monitor,
-                           best_step=ctx.results.get("best_step"), title=f"{label}: learning curve")
-    if curve is not None:
-        pictures["learning_curve"] = _rel(curve, root)
+    try:
+        curve = learning_curve(arm_dir / "metrics.jsonl", arm_dir / "learning_curve.png", monitor=monitor,
+                               best_step=ctx.results.get("best_step"), title=f"{label}: learning curve")
+        if curve is not None:
+            pictures["learning_curve"] = _rel(curve, root)
+    except Exception as err:  # noqa: BLE001 - a picture never fails the run
+        _skipped("learning_curve", arm_dir, err)
     task = ctx.task
     if task.task in ("multiclass", "binary"):
-        split, dataset = ("test", task.test) if task.test is not None else ("val", task.val)
-        predicted = predict_scores(ctx, dataset) if dataset is not None and len(dataset) > 0 else None
-        if predicted is not None:
-            scores, target = predicted
-            target = target.reshape(-1).astype(np.int64)
-            if task.task == "binary":
-                prob = scores.reshape(-1)
-                pred = (prob >= 0.5).astype(np.int64)
-                names = _class_names(task.info, 2)
-            else:
-                pred = scores.reshape(len(target), -1).argmax(-1)
-                k = max(scores.reshape(len(target), -1).shape[1], int(target.max()) + 1)
-                names = _class_names(task.info, k)
-            cm = confusion_matrix_picture(target, pred, names, arm_dir / "confusion_matrix.png",
-                                          title=f"{label}, {split}")
-            pictures["confusion_matrix"] = _rel(cm, root)
-            if task.task == "binary":
-                roc = roc_picture(target, prob, arm_dir / "roc_curve.png", title=f"{label}, {split}")
-                if roc is not None:
-                    pictures["roc_curve"] = _rel(roc, root)
+        try:
+            pictures.update(_classification_pictures(ctx, arm_dir, root, label))
+        except Exception as err:  # noqa: BLE001
+            _skipped("confusion_matrix/roc_curve", arm_dir, err)
     return {"pictures": pictures} if pictures else {}
+
+
+def _classification_pictures(ctx, arm_dir: Path, root: Path, label: str) -> dict[str, str]:
+    task = ctx.task
+    split, dataset = ("test", task.test) if task.test is not None else ("val", task.val)
+    predicted = predict_scores(ctx, dataset) if dataset is not None and len(dataset) > 0 else None
+    if predicted is None:
+        return {}
+    scores, target = predicted
+    target = target.reshape(-1).astype(np.int64)
+    n = len(target)
+    if n == 0 or scores.size % n:
+        return {}  # not one score row per target: not a plain classifier's output
+    out: dict[str, str] = {}
+    if task.task == "binary":
+        if scores.size != n:
+            return {}
+        prob = scores.reshape(-1)
+        pred = (prob >= 0.5).astype(np.int64)
+        names = _class_names(task.info, 2)
+    else:
+        logits = scores.reshape(n, -1)
+        pred = logits.argmax(-1)
+        names = _class_names(task.info, max(logits.shape[1], int(target.max()) + 1))
+    cm = confusion_matrix_picture(target, pred, names, arm_dir / "confusion_matrix.png", title=f"{label}, {split}")
+    out["confusion_matrix"] = _rel(cm, root)
+    if task.task == "binary":
+        roc = roc_picture(target, prob, arm_dir / "roc_curve.png", title=f"{label}, {split}")
+        if roc is not None:
+            out["roc_curve"] = _rel(roc, root)
+    return out
 
 
 def _arm_metrics_file(run_dir: Path, arm: str, report: Mapping[str, Any]) -> Path:
@@ -324,28 +349,36 @@ def run_pictures(report: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
             curves.append((arm, train, [(r["step"], r[key]) for r in val if key and _finite(r.get(key))],
                            result.get("best_step") if isinstance(result, Mapping) else None))
     if len(curves) >= 2:
-        has_val = any(v for _, _, v, _ in curves)
-        fig, axes = _figure(10.0 if has_val else 5.5, 4.0, ncols=2 if has_val else 1)
-        colors = [f"C{i % 10}" for i in range(len(curves))]
-        for (arm, train, val, best), color in zip(curves, colors):
-            axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], "-", color=color, lw=1.4, label=arm)
-            if has_val and val:
-                steps, values = zip(*val)
-                axes[1].plot(steps, values, "o-", color=color, ms=3, lw=1.2, label=arm)
-                if best in steps:
-                    axes[1].plot([best], [values[steps.index(best)]], marker="*", ms=12, color=color, ls="none")
-        axes[0].set_xlabel("step")
-        axes[0].set_ylabel("train loss")
-        axes[0].grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        if has_val:
-            axes[1].set_xlabel("step")
-            axes[1].set_ylabel(f"val {key} (star: selected step)")
-            axes[1].grid(alpha=0.3)
-            axes[1].legend(fontsize=8)
-        fig.suptitle(f"{report.get('family', '')}: learning curves of every arm", fontsize=10)
-        pictures["learning_curves"] = _rel(_save(fig, run_dir / "learning_curves.png"), run_dir)
+        try:
+            pictures["learning_curves"] = _rel(_overlay(report, run_dir, curves, key), run_dir)
+        except Exception as err:  # noqa: BLE001 - a picture never fails the run
+            _skipped("learning_curves", run_dir, err)
     return {"pictures": pictures} if pictures else {}
+
+
+def _overlay(report: Mapping[str, Any], run_dir: Path, curves: list, key: str | None) -> Path:
+    """Train loss and the monitored metric of every trained arm on one set of axes."""
+    has_val = any(v for _, _, v, _ in curves)
+    fig, axes = _figure(10.0 if has_val else 5.5, 4.0, ncols=2 if has_val else 1)
+    colors = [f"C{i % 10}" for i in range(len(curves))]
+    for (arm, train, val, best), color in zip(curves, colors):
+        axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], "-", color=color, lw=1.4, label=arm)
+        if has_val and val:
+            steps, values = zip(*val)
+            axes[1].plot(steps, values, "o-", color=color, ms=3, lw=1.2, label=arm)
+            if best in steps:
+                axes[1].plot([best], [values[steps.index(best)]], marker="*", ms=12, color=color, ls="none")
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("train loss")
+    axes[0].grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if has_val:
+        axes[1].set_xlabel("step")
+        axes[1].set_ylabel(f"val {key} (star: selected step)")
+        axes[1].grid(alpha=0.3)
+        axes[1].legend(fontsize=8)
+    fig.suptitle(f"{report.get('family', '')}: learning curves of every arm", fontsize=10)
+    return _save(fig, run_dir / "learning_curves.png")
 
 
 def markdown_section(report: Mapping[str, Any]) -> str:

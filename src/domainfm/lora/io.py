@@ -19,7 +19,6 @@ names or regex and ``modules_to_save``, resolved against the model's module name
 from __future__ import annotations
 
 import ctypes
-import fnmatch
 import hashlib
 import json
 import os
