@@ -340,7 +340,8 @@ def run_pictures(report: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
     pictures = dict(report.get("pictures") or {})
     key = _metric_key(report.get("monitor"))
     curves = []
-    for arm, result in (report.get("arms") or {}).items():
+    arms = report.get("arms")
+    for arm, result in (arms.items() if isinstance(arms, Mapping) else ()):
         path = _arm_metrics_file(run_dir, arm, report)
         if not path.is_file():
             continue
@@ -389,7 +390,8 @@ def markdown_section(report: Mapping[str, Any]) -> str:
     groups: list[tuple[str, Mapping[str, Any]]] = []
     if isinstance(report.get("pictures"), Mapping) and report["pictures"]:
         groups.append(("run", report["pictures"]))
-    for arm, result in (report.get("arms") or {}).items():
+    arms = report.get("arms")
+    for arm, result in (arms.items() if isinstance(arms, Mapping) else ()):
         if isinstance(result, Mapping) and isinstance(result.get("pictures"), Mapping) and result["pictures"]:
             groups.append((f"arm {arm}", result["pictures"]))
     if not groups:
