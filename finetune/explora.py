@@ -515,15 +515,17 @@ def embed(path: str | os.PathLike, model: nn.Module, settings: InferenceSettings
     top in the scene's CRS), ``crs`` (WKT), ``transform`` (the scene's affine, 6 numbers),
     ``tile_size``, ``bands``.
     """
-    from rasterio.windows import Window, bounds
-
     settings, scene, origins = _prepare(path, model, settings, stride=stride, edge=edge)
     z, _ = _apply(model, scene.image, origins, settings, "embed", precision, device, batch_size)
     ts, transform = settings.tile_size, scene.raster.transform
     rows, cols = np.array([o[0] for o in origins]), np.array([o[1] for o in origins])
+    a, b, c0, d, e, f = tuple(transform)[:6]
+    # the four corners of each tile through the affine (rotated grids included), then their extent
+    cr = np.stack([(cols + dc, rows + dr) for dc in (0, ts) for dr in (0, ts)])  # (4, 2, N)
+    xs, ys = a * cr[:, 0] + b * cr[:, 1] + c0, d * cr[:, 0] + e * cr[:, 1] + f
     return {"embeddings": z.astype(np.float32), "row": rows, "col": cols,
             "tile_row": np.unique(rows, return_inverse=True)[1], "tile_col": np.unique(cols, return_inverse=True)[1],
-            "bounds": np.array([bounds(Window(c, r, ts, ts), transform) for r, c in origins], dtype=np.float64),
+            "bounds": np.stack([xs.min(0), ys.min(0), xs.max(0), ys.max(0)], 1).astype(np.float64),
             "crs": np.array(scene.raster.crs.to_wkt() if scene.raster.crs else ""),
             "transform": np.array(tuple(transform)[:6], dtype=np.float64), "tile_size": np.array(ts),
             "bands": np.array(scene.bands)}

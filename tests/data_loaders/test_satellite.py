@@ -143,3 +143,53 @@ def test_unlabelled_images_drop_labels_and_apply_the_transform(tmp_path):
     ds = S.UnlabelledImages(labelled, transform=lambda x: x * 10)
     assert len(ds) == 4 and torch.equal(ds[3], torch.full((2, 3, 3), 30.0))
     assert torch.equal(S.UnlabelledImages(labelled)[2], labelled[2][0])
+
+
+def test_match_bands_by_name_alias_and_order_with_errors_naming_both_sets():
+    s2 = ["B01", "B02", "B03", "B04", "B08", "B8A"]
+    assert S.match_bands(s2, ["red", "green", "blue"]) == [3, 2, 1]
+    assert S.match_bands(s2, ["B4", "B8", "b8a"]) == [3, 4, 5]
+    assert S.match_bands(["band1", "band2", "band3"], ["red", "green", "blue"]) == [0, 1, 2]  # no descriptions
+    with pytest.raises(S.SatelliteDataError, match=r"x.tif: has 2 bands \['B02', 'B03'\], but the model expects "
+                                                   r"3 bands \['red', 'green', 'blue'\] \(missing \['red'\]\)"):
+        S.match_bands(["B02", "B03"], ["red", "green", "blue"], source="x.tif")
+    with pytest.raises(S.SatelliteDataError, match="has 4 bands"):
+        S.match_bands(["band1", "band2", "band3", "band4"], ["red", "green", "blue"])
+
+
+def test_tile_origins_cover_the_scene_and_stitching_takes_the_nearest_tile_centre():
+    assert S.tile_origins(10, 7, 4) == [(r, c) for r in (0, 4, 6) for c in (0, 3)]
+    assert S.tile_origins(10, 7, 4, edge="drop") == [(r, 0) for r in (0, 4)]
+    assert S.tile_origins(8, 8, 4, 2) == [(r, c) for r in (0, 2, 4) for c in (0, 2, 4)]
+    origins = S.tile_origins(10, 7, 4)
+    m = S.stitch_tiles(np.arange(len(origins)), origins, (10, 7), 4, fill=-1)
+    # by hand: row starts 0, 4, 6 (centres 1.5, 5.5, 7.5): row 6 is nearer 5.5, row 7 nearer 7.5;
+    # column starts 0, 3 (centres 1.5, 4.5): column 3 ties (1.5 each) and goes to the first tile
+    row_owner = [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    col_owner = [0, 0, 0, 0, 1, 1, 1]
+    expected = np.array([[2 * row_owner[r] + col_owner[c] for c in range(7)] for r in range(10)])
+    np.testing.assert_array_equal(m, expected)
+    dropped = S.stitch_tiles(np.arange(2), [(0, 0), (4, 0)], (10, 7), 4, fill=-1)
+    assert (dropped[8:] == -1).all() and (dropped[:, 4:] == -1).all() and (dropped[:8, :4] >= 0).all()
+    with pytest.raises(S.SatelliteDataError, match="does not fit"):
+        S.tile_origins(3, 7, 4)
+
+
+def test_read_scene_for_model_selects_by_name_normalises_and_checks_dtype(tmp_path):
+    data = _scene(c=4)
+    path = S.write_geotiff(tmp_path / "s.tif", data, transform=from_origin(0, 0, 10, 10), crs="EPSG:32618",
+                           band_names=["B02", "B03", "B04", "B08"])
+    stats = S.BandStats([100.0, 200.0, 300.0], [10.0, 20.0, 30.0])
+    scene = S.read_scene_for_model(path, bands=["red", "green", "blue"], stats=stats, dtype="uint16")
+    expected = (data[[2, 1, 0]].astype(np.float32) - np.array([100, 200, 300])[:, None, None]) / np.array([10, 20, 30])[:, None, None]
+    torch.testing.assert_close(scene.image, torch.from_numpy(expected.astype(np.float32)))
+    assert scene.bands == ["red", "green", "blue"] and scene.raster.data.shape == (4, 20, 24)
+    own = S.read_scene_for_model(path, band_indices=[3])  # no statistics: the scene's own
+    assert abs(float(own.image.mean())) < 1e-4 and abs(float(own.image.std(unbiased=False)) - 1) < 1e-4
+    with pytest.raises(S.SatelliteDataError, match=f"{path}: pixels are uint16 but the model was trained on float32"):
+        S.read_scene_for_model(path, bands=["B02"], dtype="float32")
+    with pytest.raises(S.SatelliteDataError, match="missing"):
+        S.read_scene_for_model(path, bands=["B11"])
+    (tmp_path / "not.tif").write_text("hello")
+    with pytest.raises(S.SatelliteDataError, match="not.tif: not a raster"):
+        S.read_scene_for_model(tmp_path / "not.tif")

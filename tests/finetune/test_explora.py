@@ -26,7 +26,14 @@ def test_embedded_default_arms_start_from_the_stage_output_and_its_init(tmp_path
     stage = json.loads((run / "stages" / "0-explora" / "report.json").read_text())
     assert list(report["arms"]) == ["pretrained", "stage_init"] and stage["steps"] == 2 and stage["init"] == "random"
     assert report["labels"].startswith("constructed:") and "spectral indices" in report["labels"]
-    assert report["data"]["n_train"] + report["data"]["n_val"] == 26 * 26 and len(report["data"]["classes"]) == 4
+    # the data.retained_offset blocks neither train nor validate: the retained capability's tiles
+    n_held = report["retained_before"]["n_tiles"]
+    assert report["data"]["n_train"] + report["data"]["n_val"] + n_held == 26 * 26 and len(report["data"]["classes"]) == 4
+    assert n_held == report["data"]["n_retained"] > 100
+    for arm in ("pretrained", "stage_init"):
+        assert 1 / 3 < report["arms"][arm]["retained"]["knn_accuracy"] <= 1
+        assert report["arms"][arm]["pictures"]["class_map"] == f"{arm}/class_map.png"
+        assert (run / arm / "class_map.png").is_file()
     pre, base = report["arms"]["pretrained"], report["arms"]["stage_init"]
     assert pre["init"].startswith(f"pretrained {stage['saved_model']}") and stage["saved_model"].endswith("backbone")
     assert base["init"].startswith(f"pretrained {stage['saved_init']}") and stage["saved_init"].endswith("init_backbone")
@@ -118,3 +125,22 @@ def test_classification_metrics_report_top5_only_beyond_five_classes():
     assert out["top1"] == 0.5 and out["top5"] == 0.5
     out4 = recipe.metrics({"scores": scores[:, :4], "target": torch.tensor([3, 0]), "loss": torch.zeros(2)})
     assert out4["top1"] == 1.0 and "top5" not in out4
+
+
+def test_per_sample_loss_is_the_unreduced_training_loss():
+    """FLOW weights ClassificationRecipe.per_sample_loss: its mean is the step's loss (with label
+    smoothing), and each entry is that sample's own smoothed cross-entropy."""
+    from domainfm import create_model
+
+    torch.manual_seed(0)
+    model = create_model("explora-test", n_outputs=4, global_pool="avg").eval()  # eval: no drop path
+    recipe = F.ClassificationRecipe(model, [], None, task="multiclass", label_smoothing=0.1)
+    x, y = torch.randn(6, 3, 32, 32), torch.tensor([0, 1, 2, 3, 1, 0])
+    with torch.no_grad():
+        per_sample = recipe.per_sample_loss(model, (x, y))
+        loss, _ = recipe.step(model, (x, y))
+        logp = model(x).log_softmax(-1)
+    assert per_sample.shape == (6,)
+    torch.testing.assert_close(per_sample.mean(), loss, rtol=0, atol=1e-6)
+    manual = -(0.9 * logp[torch.arange(6), y] + 0.1 * logp.mean(-1))
+    torch.testing.assert_close(per_sample, manual, rtol=0, atol=1e-5)
