@@ -42,15 +42,24 @@ positions (the tokens, or Bolt's patches, that are not padding; with the EOS/[RE
 ``.csv``/``.parquet`` table (``item_id, e0 .. e{d-1}``).
 
 **Precision** (``--precision auto``: bf16 autocast where the CPU/GPU multiplies bf16 natively,
-fp32 elsewhere; ``domainfm.precision``). bf16 changes the logits by about 1% relative; a sampling
-model then picks a neighbouring token for some steps, so single sample paths move while the scores
-barely do. Measured on the shipped series (14 series, horizon 12, 20 samples, seed 0) with the
-embedded default's pretrained ``wavetoken-test`` (``pretrain_demo.yaml``): see
-``BF16_TOLERANCE`` for the bound the tests enforce and the figures measured.
+fp32 elsewhere; ``domainfm.precision``; this CPU has AMX-BF16, so ``auto`` is bf16 here). Only the
+network runs in bf16: the tokenizer (scaling, wavelet transform, bins, decoding) stays fp32
+(:func:`fp32_tokenizer`; in bf16 the wavelet transform moved 69% of the shipped series' context
+tokens to another bin). bf16 changes the network's outputs by under 1% of their largest value
+(measured: logits of the embedded default's demo-pretrained ``wavetoken-test`` 0.89%, random
+``wavetoken-test`` 0.75%; normalised quantiles of random ``chronos-bolt-test`` 0.25%). A sampling
+model then picks a neighbouring token at a few steps, so some sample paths move while the scores
+barely do: demo-pretrained ``wavetoken-test`` on the shipped series' test windows (horizon 12, 20
+samples, seed 0): median |quantile difference| 0.1% of the series' level, wql_rel 1.7028 -> 1.7232
+(+1.2%), mase_rel 2.1001 -> 2.1282 (+1.3%), less than the seed-to-seed spread of fp32 itself
+(wql_rel 1.703-1.758 over seeds 0-3, 3.2%). Chronos-Bolt does not sample: its quantiles moved by
+0.1% (median) of the level, its scores by under 0.4%. ``BF16_TOLERANCE`` is the bound the tests
+enforce; ``--precision 32-true`` (or ``DOMAINFM_PRECISION=32-true``) gives fp32 figures.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -128,9 +137,10 @@ class Config(ExperimentConfig):
     retained: RetainedSection = field(default_factory=RetainedSection)
 
 
-#: bf16 autocast vs fp32 (see the module docstring): the bound the tests enforce on the relative
-#: difference of a trained model's scores on the shipped series (|wql_rel_bf16 / wql_rel_fp32 - 1|,
-#: the same for MASE), and on the logits' relative max difference.
+#: bf16 autocast vs fp32 (see the module docstring): the bounds the tests enforce on the shipped
+#: series: the relative difference of the scores (|wql_rel_bf16 / wql_rel_fp32 - 1|, the same for
+#: mase_rel; measured up to 1.3%) and the largest difference of the deterministic outputs (token
+#: logits, Bolt's quantiles) relative to their largest magnitude (measured up to 0.9%).
 BF16_TOLERANCE = {"score_rel": 0.05, "logits_rel": 0.03}
 
 
@@ -140,6 +150,41 @@ BF16_TOLERANCE = {"score_rel": 0.05, "logits_rel": 0.03}
 def is_quantile_forecaster(model) -> bool:
     """Whether ``model`` outputs quantiles directly (Chronos-Bolt) rather than sample paths."""
     return bool(getattr(getattr(model, "module", model), "is_quantile_forecaster", False))
+
+
+_TOKENIZER_METHODS = ("prepare_context", "encode_context", "encode_labels", "decode")
+
+
+def _fp32(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def fp32_tokenizer(model):
+    """Run a token model's tokenizer (scaling, the wavelet transform, binning, decoding) in fp32
+    under any autocast: only the network runs in bf16. Under bf16 autocast the wavelet transform
+    (a conv1d) would run in bf16 and move about 70% of the shipped series' context tokens to a
+    neighbouring bin (measured), and decoding would round the forecasts to bf16. A workaround in
+    this module until ``TokenForecaster`` does it itself; a no-op for models without a tokenizer."""
+    tokenizer = getattr(getattr(model, "module", model), "tokenizer", None)
+    if tokenizer is None or getattr(tokenizer, "_domainfm_fp32", False):
+        yield model
+        return
+    patched = [name for name in _TOKENIZER_METHODS if hasattr(tokenizer, name)]
+    for name in patched:
+        object.__setattr__(tokenizer, name, _fp32(getattr(tokenizer, name)))
+    object.__setattr__(tokenizer, "_domainfm_fp32", True)
+    try:
+        yield model
+    finally:
+        for name in [*patched, "_domainfm_fp32"]:
+            tokenizer.__dict__.pop(name, None)
 
 
 def _with_median(levels) -> list[float]:
@@ -159,8 +204,9 @@ def model_forecast(model, context: torch.Tensor, prediction_length: int, eval_cf
         quantiles, mean = model.predict_quantiles(context, prediction_length, quantile_levels=levels)
         return {"quantiles": quantiles.float().cpu().numpy(), "mean": mean.float().cpu().numpy()}
     c = eval_cfg
-    samples = model.predict(context, prediction_length, num_samples=c.num_samples, seed=c.seed,
-                            temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+    with fp32_tokenizer(model):
+        samples = model.predict(context, prediction_length, num_samples=c.num_samples, seed=c.seed,
+                                temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
     return {"samples": samples.float().cpu().numpy()}
 
 
@@ -278,7 +324,8 @@ class ForecastEvalRecipe(_EvalMixin, ForecastRecipe):
 
     def _per_sample(self, model, batch):
         context, future = batch[0], batch[1]
-        ids, mask, labels = self.model.training_tokens(context, future)
+        with fp32_tokenizer(self.model):  # tokens as in fp32 whatever the training precision
+            ids, mask, labels = self.model.training_tokens(context, future)
         logits = model(ids, mask, self.model.shift_right(labels))
         ce = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
         valid = labels != -100
@@ -650,9 +697,11 @@ def _forecast_batch(model, batch: list[dict[str, Any]], horizon: int, levels: li
         forecast = model_forecast(model, context, horizon, eval_cfg, levels)
         quantiles, mean = forecast["quantiles"], forecast["mean"]
     else:  # the model's own quantiles of its sample paths (torch.quantile, as ChronosPipeline)
-        quantiles, mean = model.predict_quantiles(context, horizon, quantile_levels=levels, num_samples=eval_cfg.num_samples,
-                                                  seed=eval_cfg.seed, temperature=eval_cfg.temperature,
-                                                  top_k=eval_cfg.top_k, top_p=eval_cfg.top_p)
+        with fp32_tokenizer(model):
+            quantiles, mean = model.predict_quantiles(context, horizon, quantile_levels=levels,
+                                                      num_samples=eval_cfg.num_samples, seed=eval_cfg.seed,
+                                                      temperature=eval_cfg.temperature, top_k=eval_cfg.top_k,
+                                                      top_p=eval_cfg.top_p)
         quantiles, mean = quantiles.float().numpy(), mean.float().numpy()
     frames, records = [], []
     for s, q, mu in zip(batch, quantiles, mean):
@@ -667,7 +716,7 @@ def _forecast_batch(model, batch: list[dict[str, Any]], horizon: int, levels: li
 def predict(series, model: str | Path | torch.nn.Module | None = None, *, prediction_length: int | None = None,
             quantile_levels=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), num_samples: int = 20, seed: int = 0,
             arm: str | None = None, pretrained: str | None = None, precision: str = "auto", device: str = "cpu",
-            batch_size: int = 64, **columns) -> "pd.DataFrame":
+            batch_size: int = 64, **columns) -> Any:
     """Probabilistic forecasts of every series: a DataFrame with ``item_id, timestamp, mean`` and
     one column per quantile level (named like ``"0.1"``), ``prediction_length`` rows per series
     (default: the model's horizon).
@@ -703,7 +752,8 @@ def pooled_embedding(model, context) -> torch.Tensor:
     if is_quantile_forecaster(model):  # Chronos-Bolt: patches (observed or not) + [REG]
         states, mask, _ = model.encode(model.prepare_context(context))
     else:  # token models: context tokens + EOS
-        ids, mask, _ = model.tokenize(context)
+        with fp32_tokenizer(model):
+            ids, mask, _ = model.tokenize(context)
         states = model.encode(ids, mask)
     m = mask.to(states.device).float().unsqueeze(-1)
     return (states.float() * m).sum(1) / m.sum(1).clamp(min=1.0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -16,6 +17,19 @@ from domainfm.finetune import wavetoken as W
 from domainfm.finetune.forecast_metrics import forecast_scores
 
 TINY = ["train.batch_size=8", "train.progress=false", "data.windows_per_epoch=16", "eval.num_samples=4"]
+SHIPPED = str(Path(W.__file__).parents[1] / "data_loaders" / "samples" / "timeseries" / "statsmodels_series.csv")
+
+
+def _assert_png(path, min_size=(300, 400)):
+    """A valid PNG (signature, decodes) that is not blank: its pixels vary and hold the bands' blue."""
+    from matplotlib import image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = image.imread(path)[..., :3]
+    assert pixels.shape[0] >= min_size[0] and pixels.shape[1] >= min_size[1]
+    assert pixels.std() > 0.02 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50
+    blue = (pixels[..., 2] > pixels[..., 0] + 0.15).mean()  # tab:blue median/bands
+    assert blue > 0.002
 
 
 def _windows():
@@ -75,6 +89,15 @@ def test_finetune_cli_writes_both_arms_evaluate_reproduces_and_predict_uses_the_
         forecasts = pd.read_csv(run / arm / "forecasts.csv")
         assert len(forecasts) == 14 * 12 and {"mean", "0.1", "0.9", "target"} <= set(forecasts.columns)
         assert (forecasts["0.1"] <= forecasts["0.9"]).all()
+        # the fan chart of the test forecasts, listed relative to the run folder
+        assert result["pictures"]["forecast_fan"] == f"{arm}/forecast_fan.png"
+        _assert_png(run / result["pictures"]["forecast_fan"])
+        # retained capability: zero-shot scores on held-out KernelSynth series, before and after
+        for key in ("retained_before", "retained"):
+            assert result[key]["n_series"] == 24 and np.isfinite(result[key]["wql_rel"]) and result[key]["wql_rel"] > 0
+        assert result["retained"]["wql_rel"] != result["retained_before"]["wql_rel"]  # training moved the model
+    assert report["retained_capability"]["metric"] == "wql_rel" and report["retained_capability"]["direction"] == "min"
+    assert report["retained_before"] == report["arms"]["pretrained"]["retained_before"]
     # the same seed, no stage: both arms start from the same random init and train alike
     assert report["arms"]["pretrained"]["test"] == report["arms"]["random"]["test"]
     assert cli.main(["evaluate", str(run)]) == 0
@@ -171,3 +194,222 @@ def test_a_whole_hf_repository_is_a_pretrained_source(tmp_path, http_server, mon
     assert arm["init"].startswith("pretrained ") and "chronos-t5-mock" in arm["init"]
     saved = create_model(run / "pretrained" / "model").state_dict()
     assert all(torch.equal(value, saved[key]) for key, value in source.state_dict().items())
+
+
+# --------------------------------------------------------------------------- quantile forecasts, per-sample losses
+
+
+def test_quantile_forecasts_score_like_the_samples_they_summarise():
+    windows = _windows()
+    rng = np.random.default_rng(0)
+    samples = rng.normal(8.0, 3.0, size=(2, 50, 2))
+    levels = [0.1, 0.5, 0.9]
+    quantiles = np.moveaxis(np.quantile(samples, levels, axis=1), 0, -1)  # (N, H, Q)
+    by_samples = forecast_scores(windows, samples, levels)
+    by_quantiles = forecast_scores(windows, None, levels, quantiles=quantiles)
+    assert by_quantiles == pytest.approx(by_samples, rel=1e-12)
+    # MASE of a quantile forecast is the 0.5 level's: shifting it alone changes MASE, not the naive scores
+    moved = quantiles.copy()
+    moved[0, :, 1] = [4.0, 5.0]  # d1's future is [4, 6]; its seasonal scale 1.6 (see above)
+    scores = forecast_scores(windows, None, levels, quantiles=moved)
+    assert scores["d1.mase"] == pytest.approx((0 + 1) / 2 / 1.6) and scores["d1.naive_mase"] == by_samples["d1.naive_mase"]
+    with pytest.raises(ValueError, match="include 0.5"):
+        forecast_scores(windows, None, [0.1, 0.9], quantiles=quantiles[..., [0, 2]])
+    with pytest.raises(ValueError, match="expected shape"):
+        forecast_scores(windows, None, levels, quantiles=quantiles[:1])
+
+
+def _batch(model, n=4, horizon=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    context = torch.randn(n, model.context_length, generator=g).cumsum(-1) + 20
+    context[1, :10] = float("nan")  # left padding
+    future = torch.randn(n, horizon, generator=g).cumsum(-1) + 20
+    future[2, 3] = float("nan")  # a missing future value
+    return context, future
+
+
+@pytest.mark.parametrize("name", ["wavetoken-test", "chronos-bolt-test"])
+def test_per_sample_loss_is_each_series_own_loss_and_averages_to_the_step_loss(name):
+    torch.manual_seed(0)
+    model = create_model(name).eval()
+    cfg = W.Config()
+    recipe = W.build_recipe(cfg, model, W.TaskData(None, None, None, task="forecast", extras={"windows": []}))
+    assert isinstance(recipe, W.QuantileForecastRecipe if name.startswith("chronos-bolt") else W.ForecastEvalRecipe)
+    context, future = _batch(model)
+    per_sample = recipe.per_sample_loss(model, (context, future))
+    assert per_sample.shape == (4,) and torch.isfinite(per_sample).all()
+    loss, logs = recipe.step(model, (context, future))
+    assert loss.item() == pytest.approx(per_sample.mean().item(), rel=1e-6)
+    # each value is the model's own loss of that series alone (an independent reduction)
+    for i in range(4):
+        c, f = context[i : i + 1], future[i : i + 1]
+        if name.startswith("chronos-bolt"):
+            alone = model(c, torch.nan_to_num(f), torch.isfinite(f))["loss"]
+        else:
+            alone = model.loss(c, f)[0]
+        assert per_sample[i].item() == pytest.approx(alone.item(), rel=1e-5)
+    loss.backward()  # the loss trains the model
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad and p.grad is not None)
+    assert sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None) > 0
+
+
+# --------------------------------------------------------------------------- predict / embed
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """Seeded random wavetoken-test and chronos-bolt-test saved with save_pretrained."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name in ("wavetoken-test", "chronos-bolt-test"):
+        torch.manual_seed(1)
+        out[name] = save_pretrained(create_model(name), root / name)
+    return out
+
+
+def test_predict_and_embed_through_the_cli_on_the_shipped_series(tmp_path, saved_models):
+    folder = saved_models["wavetoken-test"]
+    out = tmp_path / "fc.csv"
+    assert cli.main(["predict", "wavetoken", "--model", str(folder), "--input", SHIPPED, "--output", str(out),
+                     "--prediction-length", "6", "--num-samples", "8", "--quantiles", "0.1,0.5,0.9"]) == 0
+    pred = pd.read_csv(out, parse_dates=["timestamp"])
+    shipped = pd.read_csv(SHIPPED)
+    assert list(pred.columns) == ["item_id", "timestamp", "mean", "0.1", "0.5", "0.9"] and len(pred) == 14 * 6
+    assert list(pred.item_id.unique()) == list(shipped.item_id.unique())
+    assert ((pred["0.1"] <= pred["0.5"]) & (pred["0.5"] <= pred["0.9"])).all()
+    co2 = pred[pred.item_id == "co2_mauna_loa"].timestamp  # monthly, after the last shipped month
+    assert co2.iloc[0] == pd.Timestamp(shipped[shipped.item_id == "co2_mauna_loa"].timestamp.iloc[-1]) + pd.offsets.MonthBegin()
+    _assert_png(tmp_path / "fc.png")  # the fan chart beside the output
+    # the Python function the CLI wraps gives the same forecasts
+    same = W.predict(SHIPPED, folder, prediction_length=6, num_samples=8, quantile_levels=[0.1, 0.5, 0.9])
+    pd.testing.assert_frame_equal(same.reset_index(drop=True), pred, check_dtype=False, atol=1e-5)
+    assert cli.main(["predict", "wavetoken", "--model", str(folder), "--input", SHIPPED, "--output",
+                     str(tmp_path / "b.csv"), "--prediction-length", "6", "--no-plot"]) == 0
+    assert not (tmp_path / "b.png").exists()
+    assert cli.main(["predict", "wavetoken", "--model", str(folder), "--input", SHIPPED, "--output",
+                     str(tmp_path / "c.csv"), "--prediction-length", "6", "--plot", str(tmp_path / "pics" / "fan.png")]) == 0
+    _assert_png(tmp_path / "pics" / "fan.png")
+
+    # embed: one row per series of the model's width, equal to a direct masked mean of its encoder states
+    assert cli.main(["embed", "wavetoken", "--model", str(folder), "--input", SHIPPED, "--output",
+                     str(tmp_path / "e.npz"), "--precision", "32-true"]) == 0
+    z = np.load(tmp_path / "e.npz")
+    model = create_model(folder).eval()
+    assert z["embedding"].shape == (14, model.d_model) and z["embedding"].dtype == np.float32
+    assert list(z["item_id"]) == list(shipped.item_id.unique())
+    from domainfm.data_loaders.timeseries import left_pad, load_sample
+
+    nile = next(s for s in load_sample() if s["item_id"] == "nile_volume")
+    with torch.no_grad():
+        ids, mask, _ = model.tokenize(torch.from_numpy(left_pad(nile["target"][:40], model.context_length))[None])
+        states = model.encode(ids, mask)[0]
+    expected = states[mask[0]].mean(0).numpy()
+    ids_, emb = W.embed([{**nile, "target": nile["target"][:40]}], folder, precision="32-true")
+    assert ids_ == ["nile_volume"] and np.allclose(emb[0], expected, atol=1e-5)
+    assert mask[0].sum() < mask.shape[1]  # the padding was left out of the mean
+    assert cli.main(["embed", "wavetoken", "--model", str(folder), "--input", SHIPPED, "--output",
+                     str(tmp_path / "e.csv"), "--precision", "32-true"]) == 0
+    table = pd.read_csv(tmp_path / "e.csv")
+    assert list(table.columns) == ["item_id"] + [f"e{j}" for j in range(model.d_model)]
+    assert np.allclose(table.iloc[:, 1:].to_numpy(), z["embedding"], atol=1e-5)
+
+
+def test_bad_input_is_the_loaders_one_line_error_and_writes_nothing(tmp_path, capsys, saved_models):
+    folder = str(saved_models["wavetoken-test"])
+    frame = pd.read_csv(SHIPPED)
+    frame.drop(columns=["target"]).to_csv(tmp_path / "nocol.csv", index=False)
+    empty = frame.copy()
+    empty.loc[empty.item_id == "nile_volume", "target"] = np.nan
+    empty.to_csv(tmp_path / "empty.csv", index=False)
+    for command, out in (("predict", "o.csv"), ("embed", "o.npz")):
+        for src, expected in (("nocol.csv", "missing column(s) ['target']"),
+                              ("empty.csv", "item 'nile_volume' has no observed value")):
+            assert cli.main([command, "wavetoken", "--model", folder, "--input", str(tmp_path / src),
+                             "--output", str(tmp_path / out)]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert expected in err[0] and src in err[0] and "Traceback" not in "\n".join(err)
+            assert not (tmp_path / out).exists() and not (tmp_path / "o.png").exists()
+            assert not list(tmp_path.glob(".o.*"))  # no temporary file left
+
+
+def test_bf16_forecasts_stay_within_the_documented_tolerance_of_fp32(saved_models):
+    from domainfm.data_loaders import timeseries as T
+    from domainfm.precision import autocast
+
+    _, test = T.split_by_time(T.load_sample(), 12, min_context=2)
+    ev = W.EvalSection(num_samples=20, seed=0)
+    levels = W._with_median(ev.quantile_levels)
+    for name, folder in saved_models.items():
+        model = create_model(folder).eval()
+        context = torch.from_numpy(np.stack([T.left_pad(w["context"], model.context_length) for w in test]))
+        scores, outputs, tokens = {}, {}, {}
+        for precision in ("32-true", "bf16-mixed"):
+            with autocast(precision):
+                scores[precision] = W._scores(test, W.model_forecast(model, context, 12, ev, levels), levels)
+                with torch.no_grad():
+                    if W.is_quantile_forecaster(model):
+                        outputs[precision] = model(context)["quantile_preds"].float()
+                    else:
+                        future = torch.from_numpy(np.stack([w["future"] for w in test])).float()
+                        with W.fp32_tokenizer(model):
+                            tokens[precision] = model.training_tokens(context, future)
+                        ids, mask, labels = tokens["32-true"]  # the same tokens: the network's difference alone
+                        outputs[precision] = model(ids, mask, model.shift_right(labels)).float()
+        if tokens:  # the tokenizer runs in fp32 under bf16 autocast: the same tokens
+            assert all(torch.equal(x, y) for x, y in zip(tokens["32-true"], tokens["bf16-mixed"]))
+        a, b = outputs["32-true"], outputs["bf16-mixed"]
+        rel = float((a - b).abs().max() / a.abs().max())
+        assert 0 < rel < W.BF16_TOLERANCE["logits_rel"], (name, rel)  # bf16 was applied, and stayed close
+        for key in ("wql_rel", "mase_rel"):
+            ratio = scores["bf16-mixed"][key] / scores["32-true"][key] - 1
+            assert abs(ratio) < W.BF16_TOLERANCE["score_rel"], (name, key, ratio)
+    # predict() applies the precision it is given
+    folder = saved_models["wavetoken-test"]
+    fp32 = W.predict(SHIPPED, folder, prediction_length=4, num_samples=4, precision="32-true")
+    bf16 = W.predict(SHIPPED, folder, prediction_length=4, num_samples=4, precision="bf16-mixed")
+    assert not np.allclose(fp32["mean"], bf16["mean"])
+
+
+def test_chronos_bolt_finetunes_predicts_and_embeds_through_the_same_paths(tmp_path, saved_models):
+    folder = saved_models["chronos-bolt-test"]
+    assert cli.main(["finetune", "wavetoken", "model.name=chronos-bolt-test", f"model.pretrained={folder}", "stages=[]",
+                     "arms=[pretrained]", "train.max_steps=4", "train.lr=0.01", *TINY, "retained.series=8",
+                     "--runs-dir", str(tmp_path), "--name", "b"]) == 0
+    run = tmp_path / "wavetoken" / "b"
+    report = json.loads((run / "report.json").read_text())
+    arm = report["arms"]["pretrained"]
+    assert arm["init"].startswith("pretrained") and arm["steps"] == 4 and arm["test"]["n_datasets"] == 6
+    for key in ("mase_rel", "wql_rel", "loss"):
+        assert np.isfinite(arm["test"][key]) and arm["test"][key] > 0
+    assert np.isfinite(arm["zero_shot"]["test"]["wql_rel"]) and arm["retained"]["n_series"] == 8
+    assert report["retained_before"]["wql_rel"] == arm["retained_before"]["wql_rel"]
+    logged = [json.loads(line) for line in (run / "pretrained" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("split") == "train" and np.isfinite(r["loss"]) for r in logged)
+    _assert_png(run / arm["pictures"]["forecast_fan"])
+    tuned = create_model(run / "pretrained" / "model").eval()
+    start = create_model(folder).eval()
+    assert W.is_quantile_forecaster(tuned)
+    assert any(not torch.equal(p, q) for p, q in zip(tuned.state_dict().values(), start.state_dict().values()))
+
+    # predict: no sampling; the CSV holds the model's own quantiles (fp32)
+    out = tmp_path / "bolt.csv"
+    assert cli.main(["predict", "wavetoken", "--model", str(run), "--input", SHIPPED, "--output", str(out),
+                     "--quantiles", "0.1,0.5,0.9", "--precision", "32-true"]) == 0
+    pred = pd.read_csv(out)
+    assert len(pred) == 14 * 12  # the run's data.prediction_length
+    from domainfm.data_loaders.timeseries import left_pad, load_sample
+
+    series = load_sample()
+    context = torch.from_numpy(np.stack([left_pad(s["target"], tuned.context_length) for s in series]))
+    quantiles, mean = tuned.predict_quantiles(context, 12, quantile_levels=[0.1, 0.5, 0.9])
+    assert np.allclose(pred[["0.1", "0.5", "0.9"]].to_numpy(), quantiles.reshape(-1, 3).numpy(), atol=1e-4, rtol=1e-5)
+    assert np.allclose(pred["mean"].to_numpy(), mean.reshape(-1).numpy(), atol=1e-4, rtol=1e-5)
+    _assert_png(tmp_path / "bolt.png")
+    # embed: Bolt's encoder states mean-pooled over observed patches and [REG]
+    assert cli.main(["embed", "wavetoken", "--model", str(folder), "--input", SHIPPED, "--output",
+                     str(tmp_path / "b.npz"), "--precision", "32-true"]) == 0
+    z = np.load(tmp_path / "b.npz")
+    assert z["embedding"].shape == (14, start.d_model)
+    with torch.no_grad():
+        states, attention, _ = start.encode(context[:1])
+    assert np.allclose(z["embedding"][0], states[0][attention[0]].mean(0).numpy(), atol=1e-5)
