@@ -234,20 +234,24 @@ class ForecastWindows(Dataset):
     ``context_length`` steps, left-padded with NaN) and the future (``prediction_length`` steps).
     With ``missing_prob > 0`` each context value is dropped to NaN with probability
     ``U(0, missing_prob)`` (Chronos's ``drop_prob``). Draws use numpy's global generator, which the
-    engine seeds and restores on resume.
+    engine seeds and restores on resume; with ``seed`` set, window ``i`` is instead a fixed draw
+    of its own generator (``numpy.random.default_rng([seed, i])``): the same window every time it
+    is read, as per-sample weights computed once over the dataset (FLOW) need.
 
     Args:
         series: dicts with a ``"target"`` array (or plain 1-D arrays).
         context_length, prediction_length: window sizes.
         num_windows: the dataset's length (windows per epoch).
         min_past: minimum context steps (default ``prediction_length``).
+        seed: None (a fresh random window at each read) or an int (fixed windows, see above).
 
     Shapes:
         item: ``(context (context_length,), future (prediction_length,))`` float32 tensors.
     """
 
     def __init__(self, series: Sequence, context_length: int, prediction_length: int, *, num_windows: int = 1000,
-                 min_past: int | None = None, missing_prob: float = 0.0, weights: Sequence[float] | None = None):
+                 min_past: int | None = None, missing_prob: float = 0.0, weights: Sequence[float] | None = None,
+                 seed: int | None = None):
         self.targets = [np.asarray(s["target"] if isinstance(s, Mapping) else s, dtype=np.float32) for s in series]
         self.context_length, self.prediction_length = int(context_length), int(prediction_length)
         self.min_past = self.prediction_length if min_past is None else int(min_past)
@@ -264,17 +268,26 @@ class ForecastWindows(Dataset):
             raise TimeSeriesError("weights must be non-negative with a positive sum")
         self.p = w / w.sum()
         self.num_windows = int(num_windows)
+        self.seed = None if seed is None else int(seed)
 
     def __len__(self) -> int:
         return self.num_windows
 
     def __getitem__(self, index: int):
-        target = self.targets[self.usable[np.random.choice(len(self.usable), p=self.p)]]
-        end = np.random.randint(self.min_past + self.prediction_length, len(target) + 1)
+        if self.seed is None:
+            pick, randint, rand, uniform = np.random.choice, np.random.randint, np.random.rand, np.random.uniform
+        else:
+            if not 0 <= index < self.num_windows:
+                raise IndexError(f"window {index} of {self.num_windows}")
+            rng = np.random.default_rng([self.seed, int(index)])
+            pick, randint, uniform = rng.choice, rng.integers, rng.uniform
+            rand = rng.random
+        target = self.targets[self.usable[pick(len(self.usable), p=self.p)]]
+        end = int(randint(self.min_past + self.prediction_length, len(target) + 1))
         future = target[end - self.prediction_length : end]
         context = left_pad(target[: end - self.prediction_length], self.context_length)
         if self.missing_prob > 0:
-            drop = np.random.rand(self.context_length) < np.random.uniform(0, self.missing_prob)
+            drop = rand(self.context_length) < uniform(0, self.missing_prob)
             context = np.where(drop, np.float32(np.nan), context)
         return torch.from_numpy(context.copy()), torch.from_numpy(future.copy())
 

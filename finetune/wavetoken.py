@@ -99,6 +99,10 @@ class DataSection:
     windows_per_epoch: int = 2048
     missing_prob: float = 0.1
     min_past: int = 16
+    #: fixed training windows (window i is the same draw at every read, seeded by train.seed)
+    #: instead of fresh random windows; always on with ``adapt.sample_weighting: flow``, whose
+    #: per-window weights are computed once over the dataset
+    fixed_windows: bool = False
 
 
 @dataclass
@@ -263,8 +267,9 @@ def build_task(cfg: Config) -> TaskData:
     fit_series, val = T.split_by_time(train_series, d.prediction_length, min_context=2)
     # the recipe sets the model's own context length (an hf:// Chronos config may change it)
     context_length = cfg.model.kwargs.get("context_length", zoo.get_card(cfg.model.name).defaults["context_length"])
+    fixed = d.fixed_windows or getattr(cfg.adapt, "sample_weighting", "none") == "flow"
     train = T.ForecastWindows(fit_series, context_length, d.prediction_length, num_windows=d.windows_per_epoch,
-                              min_past=d.min_past, missing_prob=d.missing_prob)
+                              min_past=d.min_past, missing_prob=d.missing_prob, seed=cfg.train.seed if fixed else None)
     val_ds, test_ds = HeldOutWindows(val), HeldOutWindows(test, offset=len(val))
     return TaskData(train, val_ds, test_ds, task="forecast", n_outputs=None,
                     labels="recorded: forecast targets are each series' own held-out values",

@@ -115,3 +115,33 @@ def test_shipped_sample_series():
     assert 310 < np.nanmin(co2["target"]) < 320 and np.nanmax(co2["target"]) > 370  # 1958-2001
     with pytest.raises(ValueError, match="unknown sample"):
         ts.load_sample("nope")
+
+
+def test_seeded_forecast_windows_are_fixed_per_index_and_leave_the_global_generator_alone():
+    series = [np.arange(50, dtype=np.float32) + 100 * i for i in range(3)]
+    ds = ts.ForecastWindows(series, 16, 4, num_windows=20, min_past=4, missing_prob=0.5, seed=7)
+    np.random.seed(0)
+    before = np.random.get_state()[1].copy()
+    first = [ds[i] for i in range(20)]
+    assert np.array_equal(np.random.get_state()[1], before)  # the global generator was not used
+    for i in (0, 5, 19):  # the same window at every read, whatever was read before
+        again = ds[i]
+        assert torch.equal(torch.nan_to_num(again[0], -1), torch.nan_to_num(first[i][0], -1))
+        assert torch.equal(again[1], first[i][1])
+    # windows differ between indices and between seeds; each future continues its context
+    assert len({tuple(f[1].tolist()) for f in first}) > 10
+    other = ts.ForecastWindows(series, 16, 4, num_windows=20, min_past=4, missing_prob=0.5, seed=8)
+    assert any(not torch.equal(other[i][1], first[i][1]) for i in range(20))
+    for context, future in first:
+        assert torch.all(future[1:] - future[:-1] == 1)
+        last = context[~torch.isnan(context)]
+        assert len(last) == 0 or last.max() < future[0]
+    assert any(torch.isnan(c[-5:]).any() for c, _ in first)  # missing values injected
+    with pytest.raises(IndexError):
+        ds[20]
+    # unseeded windows still come from the global generator (the engine seeds and restores it)
+    free = ts.ForecastWindows(series, 16, 4, num_windows=20, min_past=4)
+    np.random.seed(3)
+    a = free[0]
+    np.random.seed(3)
+    assert torch.equal(free[0][1], a[1]) and not np.array_equal(np.random.get_state()[1], before)
