@@ -394,13 +394,13 @@ def _apply(graph: Any, model: Any, *, task: str | None, index: Tensor | None, sp
     net, found = _load(model, arm, pretrained)
     settings = settings or found
     label = str(graph) if isinstance(graph, (str, Path)) else getattr(graph, "name", "the given graph")
-    ds = G.read_graph(graph, encoder=G.text_encoder(settings.text_encoder), feature_dim=net.in_channels, seed=seed)
+    encoder = G.text_encoder(settings.text_encoder)
+    ds = G.read_graph(graph, encoder=encoder, feature_dim=net.in_channels, seed=seed)
     task = task or settings.task or ds.task
     if task not in G.TASKS:
         raise ValueError(f"task={task!r}: expected one of {G.TASKS}")
-    expected = G.text_encoder(settings.text_encoder).name if isinstance(graph, (str, Path)) else None
-    if expected and ds.encoder not in ("unknown", expected):
-        print(f"warning: {label} holds {ds.encoder} features but the model was fine-tuned on {expected} features",
+    if settings.source.startswith("run folder") and ds.encoder not in ("unknown", encoder.name):
+        print(f"warning: {label} holds {ds.encoder} features but the model was fine-tuned on {encoder.name} features",
               file=sys.stderr)
     if settings.use_edge_attr and ds.edge_attr is None:
         raise G.GraphError(f"{label}: the model uses edge features (data.use_edge_attr) but the graph has no edge_attr")
@@ -453,8 +453,9 @@ def predict(graph: Any, model: Any, *, task: str | None = None, index: Tensor | 
             width (else a :class:`~domainfm.data_loaders.graph.GraphError` naming the graph and
             both widths): features are used as they are, so encode them as the model's training
             graphs were.
-        model: a registered name (with ``pretrained``), a ``save_pretrained`` folder, a GIT run
-            folder (``arm``: default its first arm), or a module. From a run folder (or
+        model: a registered name (with ``pretrained``: a checkpoint path, since GIT registers no
+            weights), a ``save_pretrained`` folder, a GIT run folder (``arm``: default its first
+            arm), or a module. From a run folder (or
             ``RUN/<arm>/model``) the fine-tuning settings are used (:func:`model_settings`: task,
             eval fan-out, edge features, text encoder, class names); otherwise every neighbour,
             no edge features, MiniLM texts, the input's own task.
