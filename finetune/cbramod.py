@@ -298,7 +298,10 @@ def _retained(ctx) -> dict[str, Any]:
     # head (proj_out) goes back on top of the arm's backbone; the error then says how far the
     # backbone's patch features drifted from what that head decodes, on EEG the task never saw.
     error = masked_reconstruction_error(ctx.model, proj_out.to(device), x, mask)
-    return {"masked_mse": error, "windows": int(len(x)), "masked_patches": int(mask.sum())}
+    patches = x.reshape(*mask.shape, -1)
+    # the scale to read it against: the error of reconstructing every masked patch as zeros
+    zero = float((patches[mask].double() ** 2).mean())
+    return {"masked_mse": error, "zero_mse": zero, "windows": int(len(x)), "masked_patches": int(mask.sum())}
 
 
 RETAINED = Retained(

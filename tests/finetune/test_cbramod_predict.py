@@ -252,6 +252,7 @@ def test_report_carries_retained_capability_before_and_after(runs):
     patches = x.reshape(15, 16, 4, 200)
     expected = torch.nn.functional.mse_loss(rec[mask], patches[mask]).item()
     assert report["retained_before"]["masked_mse"] == pytest.approx(expected, rel=1e-5)
+    assert report["retained_before"]["zero_mse"] == pytest.approx(float((patches[mask] ** 2).mean()), rel=1e-5)
     # fine-tuning moved the backbone, so the retained error moved too
     after = report["arms"]["pretrained"]["retained"]["masked_mse"]
     assert after != pytest.approx(expected, rel=1e-6)
