@@ -528,7 +528,7 @@ def _apply_parser(command: str) -> argparse.ArgumentParser:
             if command == "predict" else "a .npz: embeddings (B, D), index, task, model, precision")
     parser = argparse.ArgumentParser(
         prog=f"domainfm {command} git",
-        description=f"GIT {command}ions for the node, edge or graph tasks of a graph: --input is a torch.save'd PyG "
+        description=f"GIT {'predictions' if command == 'predict' else 'embeddings'} for the node, edge or graph tasks of a graph: --input is a torch.save'd PyG "
                     "Data (or list of Data), a .npz graph, or a shipped graph's name (karate, nations, mutag); "
                     f"--output is {what}.")
     add_model_arguments(parser)
@@ -546,8 +546,8 @@ def _apply_parser(command: str) -> argparse.ArgumentParser:
 def _cli_kwargs(args) -> dict[str, Any]:
     index = None
     if args.index is not None:
-        task = args.task or model_settings(args.model).task
-        index = G.read_ids(args.index, columns=2 if task == "edge" else 1)
+        task = args.task or model_settings(args.model).task  # unknown: the file says (pairs are edges)
+        index = G.read_ids(args.index, columns=None if task is None else 2 if task == "edge" else 1)
     return dict(task=args.task, index=index, split=args.split, arm=args.arm, pretrained=args.pretrained,
                 precision=args.precision, device=args.device, batch_size=args.batch_size, seed=args.seed)
 

@@ -150,10 +150,11 @@ def read_graph(source: str | os.PathLike | Any, *, encoder: TextEncoder | None =
     return ds
 
 
-def read_ids(path: str | os.PathLike, *, columns: int) -> Tensor:
+def read_ids(path: str | os.PathLike, *, columns: int | None = None) -> Tensor:
     """Integer ids from a text/CSV file (one id, or ``u,v`` when ``columns=2``, per line; a
     header line is skipped) or a ``.npy`` (ints, or a boolean mask whose true entries are taken
-    when ``columns=1``). Returns (B,) or (2, B)."""
+    when ``columns=1``). ``columns=None``: whatever the file holds (two per line or a 2-D array:
+    node pairs). Returns (B,) or (2, B)."""
     import numpy as np
 
     path = Path(path)
@@ -164,6 +165,8 @@ def read_ids(path: str | os.PathLike, *, columns: int) -> Tensor:
             arr = np.load(path, allow_pickle=False)
         except ValueError as exc:
             raise GraphError(f"{path}: not a .npy of plain integers: {exc}") from None
+        if columns is None:
+            columns = 2 if arr.ndim == 2 else 1
         if arr.dtype == bool and columns == 1 and arr.ndim == 1:
             arr = np.nonzero(arr)[0]
     else:
@@ -178,9 +181,11 @@ def read_ids(path: str | os.PathLike, *, columns: int) -> Tensor:
                 if rows or lineno > 1:
                     raise GraphError(f"{path}: line {lineno}: expected {columns} integer id(s), got {line!r}") from None
                 continue  # a header
-        arr = np.asarray(rows, dtype=np.int64).reshape(-1, columns) if rows else np.zeros((0, columns), np.int64)
+        if columns is None:
+            columns = len(rows[0]) if rows and len(rows[0]) == 2 else 1
         if any(len(r) != columns for r in rows):
             raise GraphError(f"{path}: every line must hold {columns} integer id(s)")
+        arr = np.asarray(rows, dtype=np.int64).reshape(-1, columns) if rows else np.zeros((0, columns), np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
         raise GraphError(f"{path}: ids must be integers, got {arr.dtype}")
     t = torch.from_numpy(np.ascontiguousarray(arr)).long()

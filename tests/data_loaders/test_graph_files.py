@@ -73,6 +73,10 @@ def test_read_ids(tmp_path):
     assert G.read_ids(tmp_path / "n.txt", columns=1).tolist() == [4, 2, 7]
     (tmp_path / "e.csv").write_text("u,v\n0,1\n2,3\n")
     assert G.read_ids(tmp_path / "e.csv", columns=2).tolist() == [[0, 2], [1, 3]]
+    assert G.read_ids(tmp_path / "e.csv").tolist() == [[0, 2], [1, 3]]  # two per line: pairs
+    assert G.read_ids(tmp_path / "n.txt").tolist() == [4, 2, 7]
+    np.save(tmp_path / "p.npy", np.array([[0, 1], [2, 3]]))
+    assert G.read_ids(tmp_path / "p.npy").tolist() == [[0, 2], [1, 3]]
     np.save(tmp_path / "m.npy", np.array([False, True, True]))
     assert G.read_ids(tmp_path / "m.npy", columns=1).tolist() == [1, 2]
     (tmp_path / "bad.txt").write_text("1\nx\n")
