@@ -374,9 +374,13 @@ def test_chronos_bolt_finetunes_predicts_and_embeds_through_the_same_paths(tmp_p
     folder = saved_models["chronos-bolt-test"]
     assert cli.main(["finetune", "wavetoken", "model.name=chronos-bolt-test", f"model.pretrained={folder}", "stages=[]",
                      "arms=[pretrained]", "train.max_steps=4", "train.lr=0.01", *TINY, "retained.series=8",
-                     "--runs-dir", str(tmp_path), "--name", "b"]) == 0
+                     "adapt.sample_weighting=flow", "--runs-dir", str(tmp_path), "--name", "b"]) == 0
     run = tmp_path / "wavetoken" / "b"
     report = json.loads((run / "report.json").read_text())
+    assert list(report["arms"]) == ["pretrained", "pretrained+flow"]  # FLOW through the recipe's per_sample_loss
+    flow = report["arms"]["pretrained+flow"]
+    assert 0 < flow["flow"]["weight_min"] <= flow["flow"]["weight_max"] <= 1 and np.isfinite(flow["test"]["wql_rel"])
+    assert np.isfinite(flow["retained"]["wql_rel"]) and flow["test"] != report["arms"]["pretrained"]["test"]
     arm = report["arms"]["pretrained"]
     assert arm["init"].startswith("pretrained") and arm["steps"] == 4 and arm["test"]["n_datasets"] == 6
     for key in ("mase_rel", "wql_rel", "loss"):
