@@ -321,7 +321,7 @@ class Family:
                 # the base weights inside the wrappers never changed
                 adapter_ids = {id(p) for w in wrappers(model).values() for _, p in w.adapter_named_parameters()}
                 base_names = {id(p): n for n, p, _ in base_parameters(model)}
-                trained = {n: p for n, p in model.named_parameters() if p.requires_grad and id(p) not in adapter_ids}
+                trained = {n: p for n, p in model.named_parameters() if n in setup["trained"] and id(p) not in adapter_ids}
                 pre_params = {}
                 for n, p in trained.items():
                     src = base_names.get(id(p), n)
@@ -452,6 +452,8 @@ class Family:
             self.prepare(cfg, model, mode)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         result["params"] = {"total": total, "trainable": trainable}
+        if setup:  # what this mode trains (a head-only round later changes requires_grad)
+            setup["trained"] = {n for n, p in model.named_parameters() if p.requires_grad}
         recipe = self.build_recipe(cfg, model, task)
         monitor, direction = self.monitor(cfg, task)
         train_cfg = dataclasses.replace(cfg.train, seed=seed, monitor=monitor, monitor_mode=direction)
