@@ -256,3 +256,31 @@ def test_report_carries_retained_capability_before_and_after(runs):
     # fine-tuning moved the backbone, so the retained error moved too
     after = report["arms"]["pretrained"]["retained"]["masked_mse"]
     assert after != pytest.approx(expected, rel=1e-6)
+
+
+def test_reconstruction_head_comes_from_the_stage_or_is_reported_missing(tmp_path):
+    from types import SimpleNamespace
+
+    from domainfm import config as cfgmod
+    from domainfm.experiment import InitInfo, TaskData
+
+    # an in-process pretraining stage's saved model (with its reconstruction head) is the source
+    torch.manual_seed(3)
+    stage_model = create_model("cbramod-test", n_outputs=None)
+    saved = save_pretrained(stage_model, tmp_path / "run" / "stages" / "0-cbramod" / "model")
+    (tmp_path / "run" / "stages" / "0-cbramod" / "report.json").write_text(json.dumps({"saved_model": str(saved)}))
+    cfg = cfgmod.from_dict(ft.Config, cfgmod.load_yaml(cfgmod.config_path("cbramod", "finetune")))
+    cfg = cfgmod.from_dict(ft.Config, cfgmod.apply_overrides(cfgmod.to_dict(cfg), ["model.name=cbramod-test",
+                                                                                      "model.kwargs={}"]))
+    arm_model = create_model("cbramod-test", n_chans=4, n_times=800, n_outputs=3, reconstruction_head=False).eval()
+    ctx = SimpleNamespace(cfg=cfg, run_dir=tmp_path / "run" / "random" / "seed1", model=arm_model,
+                          task=TaskData(None, None), init=InitInfo("random"))
+    assert ft._reconstruction_source(ctx) == str(saved)
+    out = ft.RETAINED(ctx)
+    x, mask = ft.retained_windows(cfg)
+    expected = ft.masked_reconstruction_error(arm_model, stage_model.proj_out, x, mask)
+    assert out["masked_mse"] == pytest.approx(expected, rel=1e-6) and np.isfinite(expected)
+    # no pretrained model at all (random init, no stage): NaN with the reason, never a made-up head
+    cfg.stages = []
+    out = ft.RETAINED(ctx)
+    assert np.isnan(out["masked_mse"]) and "no pretrained model" in out["note"]
