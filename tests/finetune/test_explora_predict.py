@@ -212,3 +212,33 @@ def _assert_picture(path):
     assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 400
     rgb = img[..., :3].reshape(-1, 3)
     assert rgb.std() > 0.05 and len(np.unique((rgb * 255).astype(np.uint8), axis=0)) > 50  # not blank
+
+
+def test_a_jp2_scene_gives_the_class_map_of_the_same_pixels_as_geotiff(run, tmp_path):
+    """JPEG2000 (lossless, bands without descriptions, taken in the model's order) and GeoTIFF
+    of the same pixels give the same map, each with its own georeferencing."""
+    from rasterio.transform import from_origin
+    from rasterio.windows import Window
+
+    with rasterio.open(SCENE) as src:
+        names = list(src.descriptions)
+        window = Window(100, 40, 60, 50)
+        pixels = src.read([names.index(b) + 1 for b in ("B04", "B03", "B02")], window=window)
+        transform = src.window_transform(window)
+    jp2 = tmp_path / "crop.jp2"
+    with rasterio.open(jp2, "w", driver="JP2OpenJPEG", width=60, height=50, count=3, dtype="uint16",
+                       crs="EPSG:32618", transform=transform, REVERSIBLE="YES", QUALITY="100") as dst:
+        dst.write(pixels)
+    assert np.array_equal(S.read_raster(jp2).data, pixels)  # lossless: the same pixels
+    tif = S.write_geotiff(tmp_path / "crop.tif", pixels, transform=transform, crs="EPSG:32618",
+                          band_names=["B04", "B03", "B02"])
+    maps = []
+    for scene in (jp2, tif):
+        out = tmp_path / f"{scene.suffix[1:]}_classes.tif"
+        assert main(["predict", "explora", "--model", str(run), "--input", str(scene), "--output", str(out),
+                     "--precision", "32-true"]) == 0
+        with rasterio.open(out) as dst:
+            assert (dst.width, dst.height, dst.transform) == (60, 50, transform)
+            maps.append(dst.read(1))
+    np.testing.assert_array_equal(maps[0], maps[1])
+    assert transform != from_origin(435730, 4179460, 60, 60)  # the crop's own origin, not the scene's
