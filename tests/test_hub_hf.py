@@ -346,6 +346,28 @@ def test_offline_uses_the_cached_file_and_names_what_is_missing(switch, fake_hub
     assert len(fake_hub.log) == n  # no request at all
 
 
+def test_unreachable_hub_is_offline_at_once_and_the_cache_still_serves(fake_hub, monkeypatch, domainfm_home):
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    body = b"cached before the network went away" * 10
+    fake_hub.add("org/net", "w.bin", body)
+    assert hub.fetch("hf://org/net/w.bin", progress=False).read_bytes() == body
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", dead)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", dead + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(hub, "_REACHABLE", {})
+    start = time.monotonic()
+    assert hub.fetch("hf://org/net/w.bin", progress=False).read_bytes() == body  # verified against the lock
+    with pytest.raises(OfflineError, match="could not reach the Hub.*hf download org/net missing.bin"):
+        hub.fetch("hf://org/net/missing.bin", progress=False)
+    assert time.monotonic() - start < 10  # no half-minute of retries
+
+
 def test_token_goes_to_the_hub_origin_but_not_to_the_cdn(fake_hub, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_dummy_for_tests")
     body = b"private weights" * 30

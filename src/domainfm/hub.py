@@ -287,6 +287,54 @@ def _hf_offline() -> bool:
         return False
 
 
+def _is_unreachable(exc: BaseException | None) -> bool:
+    """A network that cannot be reached (no route, DNS, timeout, offline mode), as opposed to an
+    answer from the Hub (404, 401, ...)."""
+    if exc is None:
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError, urllib.error.URLError)):
+        return True
+    try:
+        import httpx2 as httpx  # huggingface_hub >= 2 ships its own httpx fork
+    except ImportError:  # pragma: no cover
+        try:
+            import httpx
+        except ImportError:
+            httpx = None
+    if httpx is not None and isinstance(exc, (httpx.ConnectError, httpx.TimeoutException)):
+        return True
+    return type(exc).__name__ in {"OfflineModeIsEnabled", "ConnectError", "ConnectTimeout", "ReadTimeout"}
+
+
+_REACHABLE: dict[tuple[str, int], tuple[float, bool]] = {}
+
+
+def _endpoint_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub endpoint accepts a TCP connection (remembered for a minute). Without it,
+    huggingface_hub would retry an unreachable Hub with back-off for about half a minute before
+    saying a file is not cached; we then go straight to the cache."""
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    parsed = urllib.parse.urlsplit(constants.ENDPOINT)
+    key = (parsed.hostname or "", parsed.port or (443 if parsed.scheme == "https" else 80))
+    now = time.monotonic()
+    if key in _REACHABLE and now - _REACHABLE[key][0] < 60:
+        return _REACHABLE[key][1]
+    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or os.environ.get("HTTP_PROXY"):
+        ok = True  # through a proxy the endpoint itself may not be reachable directly: let the client decide
+    else:
+        try:
+            socket.create_connection(key, timeout=timeout).close()
+            ok = True
+        except OSError:
+            ok = False
+    _REACHABLE[key] = (now, ok)
+    return ok
+
+
 def _git_blob_sha1(path: Path) -> str:
     """The git object id of a file (what the Hub publishes as the ETag of a non-LFS file)."""
     digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # noqa: S324 - git's id, not security
@@ -343,13 +391,22 @@ def _fetch_hf(url: str, sha256: str | None, *, progress: bool = True, revision: 
 
     offline = is_offline() or _hf_offline()
     shown = f"hf://{repo}" + (f"@{revision}" if revision else "") + f"/{filename}"
+    unreachable = not offline and not _endpoint_reachable()
     try:
-        local = Path(hf_hub_download(repo, filename, revision=revision, local_files_only=is_offline(),
+        local = Path(hf_hub_download(repo, filename, revision=revision, local_files_only=is_offline() or unreachable,
                                      library_name="domainfm", tqdm_class=None if progress else _QuietTqdm))
     except LocalEntryNotFoundError as exc:
-        if not offline:
-            cause = exc.__cause__ or exc.__context__
+        cause = exc.__cause__ or exc.__context__
+        if unreachable:
+            cause = ConnectionError(f"cannot connect to {constants.ENDPOINT}")
+        if not offline and not _is_unreachable(cause):
             raise HubError(f"could not download {shown} ({type(cause or exc).__name__}: {cause or exc})") from exc
+        if not offline:
+            raise OfflineError(
+                f"could not reach the Hub for {shown} ({type(cause).__name__}: {cause}) and it is not in the Hugging "
+                f"Face cache ({constants.HF_HUB_CACHE}). With network access run `hf download {repo} {filename}"
+                + (f" --revision {revision}" if revision else "") + "` (or `domainfm download NAME`), or pass the "
+                "file's path as pretrained=PATH.") from exc
         raise OfflineError(
             f"offline (DOMAINFM_OFFLINE or HF_HUB_OFFLINE is set) and {shown} is not in the Hugging Face cache "
             f"({constants.HF_HUB_CACHE}). On a connected machine run `hf download {repo} {filename}"
@@ -757,6 +814,8 @@ def fetch_hf_repo(url: str, *, card: zoo.ModelCard | None = None, sha256: str | 
         for source in card.weights:
             if source.url.startswith(f"hf://{repo}/") and source.sha256:
                 digests.setdefault(source.url[len(f"hf://{repo}/") :], source.sha256)
+            elif source.url.rstrip("/") in (f"hf://{repo}", url.rstrip("/")) and source.sha256:
+                digests.setdefault(WEIGHTS_NAME, source.sha256)  # a whole-repository source pins its weights
     base = f"hf://{repo}" + (f"@{revision}" if revision else "")
     folder = None
     for name in files:
