@@ -185,30 +185,45 @@ class TokenForecaster(T5EncoderDecoder):
         """
         b, s = uniforms.shape[:2]
         encoder_states = self.encode(input_ids, attention_mask)
-        cross_bias = _mask_bias(attention_mask.bool(), encoder_states.dtype).repeat_interleave(s, 0)
-        suppress = self._suppressed().to(encoder_states.device)
-        tokens = torch.full((b * s, 1), self.decoder_start_token_id, dtype=torch.long, device=encoder_states.device)
-        flat_u = uniforms.reshape(b * s, num_tokens).to(encoder_states.device)
-        if use_cache:
-            cache = self.new_cache(encoder_states, num_tokens, repeat=s)
-        else:
+        device = encoder_states.device
+        flat_u = uniforms.reshape(b * s, num_tokens).to(device=device, dtype=torch.float32)
+        n_special = self.tokenizer.n_special_tokens
+        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        out = torch.empty((b * s, num_tokens), dtype=torch.long, device=device)
+        if not use_cache:
             expanded = encoder_states.repeat_interleave(s, 0)
             mask = attention_mask.repeat_interleave(s, 0)
-        for t in range(num_tokens):
-            if use_cache:
-                states = self.decode_step(tokens[:, -1:], cache, cross_bias)
-            else:
-                states = self.decode(tokens, expanded, mask)[:, -1:]
-            logits = self.logits(states)[:, 0].float()
-            logits = logits.masked_fill(suppress, float("-inf"))
-            logits = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-            cdf = logits.softmax(-1).cumsum(-1)
-            u = flat_u[:, t : t + 1] * cdf[:, -1:]
-            choice = torch.searchsorted(cdf, u, right=True).clamp(max=self.vocab_size - 1)
-            # searchsorted can land on a zero-probability token only through round-off at the top
-            choice = torch.where(torch.isfinite(logits.gather(1, choice)), choice, logits.argmax(-1, keepdim=True))
-            tokens = torch.cat([tokens, choice], dim=1)
-        return tokens[:, 1:].reshape(b, s, num_tokens)
+            prefix = torch.full((b * s, num_tokens + 1), self.decoder_start_token_id, dtype=torch.long, device=device)
+            for t in range(num_tokens):
+                states = self.decode(prefix[:, : t + 1], expanded, mask)[:, -1:]
+                out[:, t] = prefix[:, t + 1] = self._sample(self.logits(states)[:, 0], flat_u[:, t], n_special, **sample)
+            return out.reshape(b, s, num_tokens)
+        cross_bias = _mask_bias(attention_mask.bool(), encoder_states.dtype)
+        # every path of a series starts from the same token: the first step runs once per series
+        # (B rows), then the cache is widened to B * S rows; cross-attention keys/values stay (B, ...)
+        # and are shared by the S paths of a series (cache.group)
+        cache = self.new_cache(encoder_states, num_tokens)
+        start = torch.full((b, 1), self.decoder_start_token_id, dtype=torch.long, device=device)
+        first = self.logits(self.decode_step(start, cache, cross_bias))[:, 0]
+        out[:, 0] = self._sample(first.repeat_interleave(s, 0), flat_u[:, 0], n_special, **sample)
+        if num_tokens > 1:
+            cache.expand(s, num_tokens)
+        for t in range(1, num_tokens):
+            states = self.decode_step(out[:, t - 1 : t], cache, cross_bias)
+            out[:, t] = self._sample(self.logits(states)[:, 0], flat_u[:, t], n_special, **sample)
+        return out.reshape(b, s, num_tokens)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, u: torch.Tensor, n_special: int, *, temperature: float,
+                top_k: int | None, top_p: float | None) -> torch.Tensor:
+        """(N,) token ids from (N, V) logits and (N,) uniforms by inverting the filtered CDF over
+        the regular tokens (ids >= ``n_special``; special tokens are never sampled). No host sync."""
+        logits = filter_logits(logits[:, n_special:].float(), temperature=temperature, top_k=top_k, top_p=top_p)
+        cdf = logits.softmax(-1).cumsum_(-1)
+        choice = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)
+        # searchsorted can land on a zero-probability token only through round-off at the top
+        choice = torch.where(torch.isfinite(logits.gather(1, choice)), choice, logits.argmax(-1, keepdim=True))
+        return choice[:, 0] + n_special
 
     def _uniforms(self, context: torch.Tensor, seed: int, chunk: int, num_samples: int, num_tokens: int) -> torch.Tensor:
         rows = []

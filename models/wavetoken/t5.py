@@ -74,6 +74,21 @@ class KVCache:
         self.cross_k: list[torch.Tensor | None] = [None] * num_layers
         self.cross_v: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0  # positions already written
+        # rows of the decoder batch per encoder row: with ``group`` > 1 the decoder batch is
+        # (B * group) rows (samples of one series adjacent) while the cross-attention keys/values
+        # stay (B, ...) and are shared by broadcasting instead of being copied per sample
+        self.group = 1
+
+    def expand(self, repeat: int, max_length: int) -> None:
+        """Turn a cache of B rows into one of ``B * repeat`` rows (each row repeated, adjacent),
+        keeping the positions written so far; cross-attention keys/values stay shared."""
+        for store in (self.self_k, self.self_v):
+            for i, buf in enumerate(store):
+                b, h, _, d = buf.shape
+                new = buf.new_empty((b * repeat, h, max_length, d))
+                new.view(b, repeat, h, max_length, d)[:, :, :, : self.length] = buf[:, None, :, : self.length]
+                store[i] = new
+        self.group *= repeat
 
 
 class Attention(nn.Module):
@@ -149,6 +164,12 @@ class Block(nn.Module):
             normed = self.cross_attn_norm(h)
             if cache is None:
                 attn = self.cross_attn(normed, cross_bias, source=encoder_states)
+            elif cache.group > 1:
+                # the group's rows become queries of one encoder row: (B*G, n, d) -> (B, G*n, d)
+                rows, n, d = normed.shape
+                grouped = normed.reshape(rows // cache.group, cache.group * n, d)
+                attn = self.cross_attn(grouped, cross_bias, kv=(cache.cross_k[layer], cache.cross_v[layer]))
+                attn = attn.reshape(rows, n, -1)
             else:
                 attn = self.cross_attn(normed, cross_bias, kv=(cache.cross_k[layer], cache.cross_v[layer]))
             h = h + self.dropout(attn)
@@ -283,19 +304,27 @@ class T5EncoderDecoder(nn.Module):
         cross_bias = _mask_bias(attention_mask.bool(), h.dtype)
         return self.decoder(h, self_bias, encoder_states=encoder_states, cross_bias=cross_bias)
 
-    def new_cache(self, encoder_states: torch.Tensor, max_length: int, *, repeat: int = 1) -> KVCache:
+    def new_cache(self, encoder_states: torch.Tensor, max_length: int, *, repeat: int = 1,
+                  shared: bool = False) -> KVCache:
         """A cache for ``max_length`` decoder steps; cross-attention keys/values are projected once
-        from ``encoder_states`` (B, L, d) and repeated ``repeat`` times per row (for samples)."""
+        from ``encoder_states`` (B, L, d). ``repeat`` decoder rows per encoder row (for samples):
+        copied ``repeat`` times, or with ``shared=True`` kept once and broadcast (``cache.group``).
+        Under autocast the buffers take the autocast dtype (what the projections produce)."""
         cache = KVCache(len(self.decoder.blocks))
         b = encoder_states.shape[0] * repeat
+        dtype = encoder_states.dtype
+        if torch.is_autocast_enabled(encoder_states.device.type):
+            dtype = torch.get_autocast_dtype(encoder_states.device.type)
         for i, block in enumerate(self.decoder.blocks):
             k, v = block.cross_attn.project_kv(encoder_states)
-            if repeat > 1:
+            if repeat > 1 and not shared:
                 k, v = k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0)
             cache.cross_k[i], cache.cross_v[i] = k, v
             shape = (b, block.self_attn.num_heads, max_length, block.self_attn.d_kv)
-            cache.self_k[i] = encoder_states.new_zeros(shape)
-            cache.self_v[i] = encoder_states.new_zeros(shape)
+            cache.self_k[i] = encoder_states.new_zeros(shape, dtype=dtype)
+            cache.self_v[i] = encoder_states.new_zeros(shape, dtype=dtype)
+        if shared:
+            cache.group = repeat
         return cache
 
     def decode_step(self, token_ids: torch.Tensor, cache: KVCache, cross_bias: torch.Tensor) -> torch.Tensor:
