@@ -220,9 +220,11 @@ class TokenForecaster(T5EncoderDecoder):
         the regular tokens (ids >= ``n_special``; special tokens are never sampled). No host sync."""
         logits = filter_logits(logits[:, n_special:].float(), temperature=temperature, top_k=top_k, top_p=top_p)
         cdf = logits.softmax(-1).cumsum_(-1)
-        choice = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)
-        # searchsorted can land on a zero-probability token only through round-off at the top
-        choice = torch.where(torch.isfinite(logits.gather(1, choice)), choice, logits.argmax(-1, keepdim=True))
+        total = cdf[:, -1:]
+        choice = torch.searchsorted(cdf, u[:, None] * total, right=True)
+        # searchsorted can land past the last token of positive probability only through round-off
+        # at the top (u * total rounding to total): cap it at that token (the first reaching total)
+        choice = torch.minimum(choice, torch.searchsorted(cdf, total))
         return choice[:, 0] + n_special
 
     def _uniforms(self, context: torch.Tensor, seed: int, chunk: int, num_samples: int, num_tokens: int) -> torch.Tensor:
