@@ -220,7 +220,7 @@ class TokenForecaster(T5EncoderDecoder):
         the regular tokens (ids >= ``n_special``; special tokens are never sampled). No host sync."""
         logits = filter_logits(logits[:, n_special:].float(), temperature=temperature, top_k=top_k, top_p=top_p)
         cdf = logits.softmax(-1).cumsum_(-1)
-        total = cdf[:, -1:]
+        total = cdf[:, -1:].contiguous()
         choice = torch.searchsorted(cdf, u[:, None] * total, right=True)
         # searchsorted can land past the last token of positive probability only through round-off
         # at the top (u * total rounding to total): cap it at that token (the first reaching total)

@@ -531,19 +531,32 @@ class MeanScaleUniformBins(SeriesTokenizer):
         return context[:, -self.context_length :]
 
     def _ids(self, values: torch.Tensor, scale: torch.Tensor):
+        """Token ids, keep-mask and clipped counts of (B, T) values scaled by (B,) ``scale``.
+
+        ``bucketize(x, boundaries, right=True)`` (the number of boundaries <= x) without a binary
+        search: the boundaries are uniform up to round-off, so ``floor((x - low) / width + 1.5)``
+        is within one of the answer, and one comparison on each side makes it exact (the outer
+        boundaries at ±1e20 included); NaN lands on 0 and becomes PAD.
+        """
         observed = ~torch.isnan(values)
         scaled = values / scale.unsqueeze(-1)
-        ids = torch.bucketize(scaled, self.boundaries.to(scaled.device), right=True) + self.n_special_tokens
-        ids = ids.clamp(0, self.vocab_size - 1)
-        ids = torch.where(observed, ids, torch.full_like(ids, self.pad_token_id))
-        half = self.bin_width / 2
-        clipped = ((scaled < self.low_limit - half) | (scaled > self.high_limit + half)) & observed
+        boundaries = self.boundaries.to(scaled.device)
+        last = len(boundaries) - 1  # 1e20
+        pos = (scaled - self.low_limit).mul_(1.0 / self.bin_width).add_(1.5)
+        ids = pos.nan_to_num_(0.0, posinf=last + 1.0, neginf=0.0).clamp_(0, last + 1).long()
+        ids += (ids <= last) & (boundaries[ids.clamp(max=last)] <= scaled)
+        ids -= ((ids > 0) & (boundaries[(ids - 1).clamp_(min=0)] > scaled)).long()
+        ids += self.n_special_tokens
+        ids.clamp_(0, self.vocab_size - 1).masked_fill_(~observed, self.pad_token_id)
+        half = self.bin_width / 2  # NaN compares False: unobserved values are never clipped
+        clipped = (scaled < self.low_limit - half) | (scaled > self.high_limit + half)
         return ids, observed, clipped.sum(-1)
 
     def encode_context(self, context: torch.Tensor):
         context = context.to(torch.float32)[:, -self.context_length :]
-        observed = ~torch.isnan(context)
-        _, scale = _nan_stats(context, observed, "mean_abs")
+        # Chronos's scale: mean |x| over the observed values (nansum / count), 1 when not > 0
+        scale = torch.nansum(context.abs(), -1) / (~torch.isnan(context)).sum(-1)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         ids, mask, n_clipped = self._ids(context, scale)
         if self.use_eos_token:
             ids, mask = self._append_eos(ids, mask)
