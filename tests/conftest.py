@@ -244,3 +244,27 @@ def other_http_server():
     """A second server: another origin (another port on 127.0.0.1)."""
     with LocalServer() as server:
         yield server
+
+
+@pytest.fixture
+def hf_hub(monkeypatch, tmp_path):
+    """A local server answering like the Hugging Face Hub (see tests/test_hub_hf.py's FakeHub), set
+    as huggingface_hub's endpoint with a per-test cache: for tests elsewhere that load hf:// sources."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_fake_hub_module", Path(__file__).with_name("test_hub_hf.py"))
+    import sys
+
+    module = sys.modules.get("_fake_hub_module")
+    if module is None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_fake_hub_module"] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+    gen = module.fake_hub.__wrapped__(monkeypatch, tmp_path) if hasattr(module.fake_hub, "__wrapped__") else None
+    if gen is None:  # pytest fixtures keep the function as __pytest_wrapped__
+        gen = module.fake_hub.__pytest_wrapped__.obj(monkeypatch, tmp_path)
+    server = next(gen)
+    try:
+        yield server
+    finally:
+        gen.close()

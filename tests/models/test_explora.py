@@ -219,7 +219,7 @@ def test_missing_official_file_and_unregistered_weights_are_clear_errors(tmp_pat
     from domainfm.hub import load_pretrained
 
     with pytest.raises(HubError, match="no pretrained weights registered"):
-        load_pretrained(create_model("explora-test"), True, card="explora-vit-base-dinov2-fmow-rgb")
+        load_pretrained(create_model("explora-test"), True, card="explora-test")
     with pytest.raises(FileNotFoundError, match="not found"):
         load_official(create_model("explora-test"), tmp_path / "nope.pth")
 

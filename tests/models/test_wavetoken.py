@@ -515,25 +515,19 @@ def test_training_loss_masks_missing_future_and_backpropagates():
     assert model.shared.weight.grad.abs().sum() > 0
 
 
-def test_repo_level_hf_source_loads_like_the_local_directory(tmp_path, http_server, monkeypatch, domainfm_home):
+def test_repo_level_hf_source_loads_like_the_local_directory(tmp_path, hf_hub, domainfm_home):
     # create_model("chronos-t5-…", pretrained="hf://org/repo"): config.json + model.safetensors are
-    # fetched into the cache (served here from 127.0.0.1 through a patched Hub endpoint)
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "ENDPOINT", http_server.base)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                        http_server.base + "/{repo_id}/resolve/{revision}/{filename}")
+    # fetched through huggingface_hub from a local server that answers like the Hub
     directory, _ = _write_hf_dir(tmp_path, seed=5)
     for name in ("config.json", "model.safetensors"):
-        http_server.serve(f"/amazon/chronos-t5-mock/resolve/main/{name}", (directory / name).read_bytes())
-    with pytest.warns(UserWarning, match="no recorded sha256"):
-        remote = domainfm.create_model("chronos-t5-test", pretrained="hf://amazon/chronos-t5-mock", progress=False)
+        hf_hub.add("amazon/chronos-t5-mock", name, (directory / name).read_bytes(), lfs=name.endswith(".safetensors"))
+    remote = domainfm.create_model("chronos-t5-test", pretrained="hf://amazon/chronos-t5-mock", progress=False)
     local = domainfm.create_model("chronos-t5-test", pretrained=str(directory))
     assert remote.domainfm_load_report.converter == "hf_t5"
     for key, value in local.state_dict().items():
         assert torch.equal(value, remote.state_dict()[key]), key
-    cached = domainfm_home / "weights" / "hf" / "amazon" / "chronos-t5-mock"
-    assert sorted(p.name for p in cached.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (hf_hub.cache).rglob("*") if p.is_file() and "snapshots" in p.parts) == [
+        "config.json", "model.safetensors"]
 
 
 # --------------------------------------------------------------------------- speed paths (issue 15)
