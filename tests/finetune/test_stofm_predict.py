@@ -35,6 +35,12 @@ def test_report_carries_retained_capability(run):
     for value in (before["balanced_accuracy"], after["balanced_accuracy"]):
         assert 0 <= value <= 1
     assert -1 <= after["leiden_ari"] <= 1
+    # the arm's saved model folder is Hub-ready: its model card carries the run's metrics
+    import yaml
+
+    card = (run[0] / "random" / "model" / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["library_name"] == "domainfm" and "balanced_accuracy" in card
 
 
 def test_predict_cli_writes_probabilities_per_cell(run, tmp_path):

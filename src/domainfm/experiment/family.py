@@ -601,7 +601,20 @@ class Family:
             if picture is not None:
                 report.setdefault("pictures", {})["tradeoff"] = picture
         report["wall_time_s"] = round(time.perf_counter() - start, 2)
+        self._model_cards(report, folder)
         return report
+
+    def _model_cards(self, report: dict[str, Any], folder: RunFolder) -> None:
+        """Each saved arm's model card (``RUN/<arm>/model/README.md``) gets the run's metrics for
+        that arm, so that the folder can be uploaded to the Hub as it is (``hf upload``)."""
+        from domainfm.hub import write_model_card
+
+        for arm in report.get("arms", {}):
+            model_dir = folder.model_dir(arm)
+            if (model_dir / "config.json").is_file():
+                from domainfm import create_model
+
+                write_model_card(model_dir, create_model(model_dir), report, arm=arm)
 
     def _tradeoff_picture(self, report: dict[str, Any], run_dir: Path) -> str | None:
         """``RUN/tradeoff.png``: the monitored target metric (test split when there is one) against
