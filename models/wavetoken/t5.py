@@ -26,6 +26,9 @@ from torch import nn
 __all__ = ["relative_position_bucket", "RMSNorm", "Attention", "Block", "Stack", "T5EncoderDecoder", "KVCache"]
 
 
+#: device types torch autocast knows (the meta device, used to build large models without memory, has none)
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla")
+
 def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool, num_buckets: int = 32,
                              max_distance: int = 128) -> torch.Tensor:
     """T5's bucket of ``relative_position = key_position - query_position``.
@@ -299,7 +302,7 @@ class T5EncoderDecoder(nn.Module):
         h = self.shared(input_ids)
         length = input_ids.shape[1]
         bias = self.encoder.position_bias(length, length, device=h.device).to(h.dtype) + _mask_bias(attention_mask.bool(), h.dtype)
-        if torch.is_autocast_enabled(h.device.type):  # cast the (B, H, L, L) bias once, not in every layer
+        if h.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(h.device.type):  # cast the (B, H, L, L) bias once, not in every layer
             bias = bias.to(torch.get_autocast_dtype(h.device.type))
         return self.encoder(h, bias)
 
@@ -324,7 +327,7 @@ class T5EncoderDecoder(nn.Module):
         cache = KVCache(len(self.decoder.blocks))
         b = encoder_states.shape[0] * repeat
         dtype = encoder_states.dtype
-        if torch.is_autocast_enabled(encoder_states.device.type):
+        if encoder_states.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(encoder_states.device.type):
             dtype = torch.get_autocast_dtype(encoder_states.device.type)
         for i, block in enumerate(self.decoder.blocks):
             # contiguous (B, H, L, d_kv): batched matmuls then read K^T and V without a copy per step
