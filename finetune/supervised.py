@@ -7,6 +7,7 @@ pairs (``x`` may be a tuple or dict passed to ``forward_fn``).
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,6 +56,7 @@ def prepare_mode(model: nn.Module, mode: str, *, head: str | list[str] = "head",
     head_patterns = [f"{h}.*" for h in heads]
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+    _keep_frozen_in_eval(model, None)
     if mode == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -73,7 +75,39 @@ def prepare_mode(model: nn.Module, mode: str, *, head: str | list[str] = "head",
         p.requires_grad_(any(name == h or name.startswith(h + ".") for h in heads))
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"linear_probe: no parameter found under head {heads}")
+    _keep_frozen_in_eval(model, heads)
     return model
+
+
+def _train_keeping_frozen_eval(self: nn.Module, mode: bool = True) -> nn.Module:
+    type(self).train(self, mode)
+    if mode:
+        frozen = self._domainfm_frozen_eval
+        for name, module in self.named_modules():
+            if name in frozen:
+                module.training = False
+    return self
+
+
+def _keep_frozen_in_eval(model: nn.Module, heads: list[str] | None) -> None:
+    """A linear probe's backbone is frozen including its statistics: its modules stay in eval mode
+    when the trainer calls ``model.train()`` (BatchNorm keeps its running statistics, dropout is
+    off, so the probe learns on the features the frozen model gives at inference), while the head
+    trains as usual. ``heads=None`` removes the rule (full fine-tuning, LoRA). The rule is an
+    instance override of ``train``, so a deep copy keeps it, bound to the copy."""
+    if heads is None:
+        model.__dict__.pop("train", None)
+        model.__dict__.pop("_domainfm_frozen_eval", None)
+        return
+
+    def in_head(name: str) -> bool:
+        return any(name == h or name.startswith(h + ".") for h in heads)
+
+    model._domainfm_frozen_eval = frozenset(
+        name for name, module in model.named_modules()
+        if name and not in_head(name) and not any(p.requires_grad for p in module.parameters()))
+    model.train = types.MethodType(_train_keeping_frozen_eval, model)
+    model.train(model.training)
 
 
 class SupervisedRecipe(Recipe):

@@ -68,3 +68,48 @@ def test_binary_and_regression_recipes():
         else:
             assert set(out) == {"pearson_r", "r2", "rmse", "mae", "loss"}
             assert out["r2"] > 0.8
+
+
+class _NormNet(torch.nn.Module):
+    """A backbone with BatchNorm and dropout, and a head with its own dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.GELU(),
+                                            torch.nn.Dropout(0.5))
+        self.head = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def test_linear_probe_keeps_the_frozen_backbone_in_eval_mode():
+    """A linear probe's backbone is frozen *including* its statistics: training the head must not
+    move BatchNorm's running mean/var, and backbone dropout is off (features as at inference);
+    the head's own dropout still trains."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _NormNet()
+    before = copy.deepcopy(model.state_dict())
+    prepare_mode(model, "linear_probe")
+    ds = make_dataset(n=96, seed=1)
+    ds = TensorDataset(ds.tensors[0] * 3 + 1, ds.tensors[1])  # batch statistics far from the running ones
+    trainer = Trainer(TrainConfig(max_epochs=2, batch_size=16, lr=1e-2, progress=False, accelerator="cpu"))
+    trainer.fit(SupervisedRecipe(model, ds, None, task="multiclass"))
+    after = model.state_dict()
+    for key in before:
+        if key.startswith("backbone."):
+            assert torch.equal(before[key], after[key]), key
+    assert not torch.equal(before["head.1.weight"], after["head.1.weight"])
+    model.train()
+    assert not model.backbone.training and not model.backbone[1].training and not model.backbone[3].training
+    assert model.training and model.head.training and model.head[0].training
+    # a deep copy (the experiment layer's probe is one) keeps the rule, bound to the copy
+    clone = copy.deepcopy(model)
+    clone.train()
+    assert not clone.backbone[1].training and clone.head[0].training
+    # full fine-tuning afterwards trains the statistics again
+    prepare_mode(model, "full")
+    model.train()
+    assert model.backbone[1].training
