@@ -15,13 +15,72 @@ features ``(B, num_features)``); ``forward_features(x) -> (B, 1 + n_reg + N, D)`
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import timm
 import torch
+from timm.models.vision_transformer import Block
 from torch import nn
 
-__all__ = ["build_timm_vit", "TIMM_ARCHS"]
+__all__ = ["build_timm_vit", "TIMM_ARCHS", "SubsetDropPathBlock", "drop_add_residual", "EFFICIENT_DROP_PATH_ABOVE"]
+
+#: drop rates above this use the subset form of stochastic depth in training (DINOv2's threshold:
+#: below it, gathering and scattering the kept rows costs more than the skipped work saves)
+EFFICIENT_DROP_PATH_ABOVE = 0.1
+
+
+def drop_add_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], drop_prob: float,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """Stochastic depth computed on the kept samples only (DINOv2's "efficient stochastic depth").
+
+    ``k = max(int(B * (1 - drop_prob)), 1)`` samples are drawn without replacement (the first ``k`` of
+    ``torch.randperm(B, generator=generator)``); the residual ``branch`` runs on those ``k`` rows
+    only and is added back scaled by ``B / k``; the other rows pass unchanged. Every sample is kept
+    with probability ``k / B``, so the expected output equals ``x + branch(x)`` as for per-sample
+    DropPath, while the branch costs ``k / B`` of the full batch. Unlike timm's DropPath the number
+    of kept samples is fixed, not binomial (the choice DINOv2 makes; the expectation is the same).
+
+    **Shapes:** ``x`` ``(B, *)``; ``branch`` maps ``(k, *) -> (k, *)``; returns ``(B, *)``.
+    """
+    b = x.shape[0]
+    keep = max(int(b * (1.0 - drop_prob)), 1)
+    if keep >= b:
+        return x + branch(x)
+    device = x.device if generator is None else generator.device
+    rows = torch.randperm(b, generator=generator, device=device)[:keep].to(x.device)
+    residual = branch(x.index_select(0, rows))
+    out = torch.index_add(x.flatten(1), 0, rows, residual.flatten(1).to(x.dtype), alpha=b / keep)
+    return out.view_as(x)
+
+
+class SubsetDropPathBlock(Block):
+    """timm's pre-norm ``Block`` (same parameters and keys) whose stochastic depth, in training
+    with a drop rate above :data:`EFFICIENT_DROP_PATH_ABOVE`, runs each residual branch on the kept
+    samples only (:func:`drop_add_residual`), as DINOv2's ``Block``. In eval, at lower rates, or
+    with an attention mask, it is timm's ``Block`` exactly.
+
+    The drop rate is read from ``drop_path1.drop_prob`` / ``drop_path2.drop_prob`` at every call,
+    so zeroing those (as the DINO teacher does) turns it off. ``generator`` (default None: the
+    global RNG) makes the draws reproducible.
+    """
+
+    generator: torch.Generator | None = None
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        p1 = float(getattr(self.drop_path1, "drop_prob", 0.0))
+        p2 = float(getattr(self.drop_path2, "drop_prob", 0.0))
+        if not self.training or attn_mask is not None or max(p1, p2) <= EFFICIENT_DROP_PATH_ABOVE:
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+
+        def attn_branch(t: torch.Tensor) -> torch.Tensor:
+            return self.ls1(self.attn(self.norm1(t), is_causal=is_causal))
+
+        def mlp_branch(t: torch.Tensor) -> torch.Tensor:
+            return self.ls2(self.mlp(self.norm2(t)))
+
+        x = drop_add_residual(x, attn_branch, p1, self.generator) if p1 > 0 else x + attn_branch(x)
+        x = drop_add_residual(x, mlp_branch, p2, self.generator) if p2 > 0 else x + mlp_branch(x)
+        return x
 
 #: our size name -> timm architecture name
 TIMM_ARCHS = {
@@ -42,6 +101,7 @@ def build_timm_vit(
     global_pool: str = "token",
     drop_path_rate: float = 0.0,
     dynamic_img_size: bool = False,
+    efficient_drop_path: bool = True,
     **timm_kwargs: Any,
 ) -> nn.Module:
     """Build timm's ViT ``arch`` (a key of :data:`TIMM_ARCHS` or a timm name) without weights.
@@ -54,12 +114,17 @@ def build_timm_vit(
         drop_path_rate: stochastic depth (0.3 for DINOv2 pretraining, 0.2 for fine-tuning).
         dynamic_img_size: accept other input sizes (interpolating the position table), needed
             for DINOv2's small local crops.
+        efficient_drop_path: blocks are :class:`SubsetDropPathBlock` (timm's ``Block`` whose
+            stochastic depth above rate 0.1 computes each residual branch on the kept samples
+            only, as DINOv2); ``False``: timm's ``Block``. Same parameters and keys either way.
     """
     if global_pool not in {"token", "avg"}:
         raise ValueError(f"global_pool={global_pool!r}: expected 'token' or 'avg'")
     if not isinstance(n_outputs, int) or n_outputs < 0:
         raise ValueError(f"n_outputs={n_outputs!r}: expected an integer >= 0")
     name = TIMM_ARCHS.get(arch, arch)
+    if efficient_drop_path:
+        timm_kwargs.setdefault("block_fn", SubsetDropPathBlock)
     model = timm.create_model(
         name, pretrained=False, num_classes=n_outputs, img_size=img_size, in_chans=in_chans,
         global_pool=global_pool, drop_path_rate=drop_path_rate, dynamic_img_size=dynamic_img_size,
@@ -81,15 +146,29 @@ def tiny_vit(
     global_pool: str = "token",
     drop_path_rate: float = 0.0,
     dynamic_img_size: bool = True,
+    init_values: float | None = 1e-5,
+    efficient_drop_path: bool = True,
 ) -> nn.Module:
-    """A test-sized ViT with DINOv2's layout (LayerScale, class token, optional registers)."""
+    """A test-sized ViT with DINOv2's layout (LayerScale, class token, optional registers).
+
+    ``init_values``: LayerScale's initial value (default 1e-5, DINOv2's and timm's init for a
+    randomly initialised ViT). That init makes every residual branch ~1e-5 of the stream, so an
+    adapter or a fine-tuning step barely changes the output of a *random* tiny model; pass
+    ``init_values=1.0`` (what a trained ViT's LayerScales look like, order 0.1-1) where a test must
+    see the blocks act. ``None`` or 0: no LayerScale at all (other parameter keys).
+    ``efficient_drop_path``: as :func:`build_timm_vit`.
+    """
     from timm.models.vision_transformer import VisionTransformer
 
+    if init_values is not None and (not isinstance(init_values, (int, float)) or isinstance(init_values, bool)
+                                    or init_values < 0):
+        raise ValueError(f"init_values={init_values!r}: expected a LayerScale init >= 0 or None")
     return VisionTransformer(
         img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=n_outputs,
-        embed_dim=embed_dim, depth=depth, num_heads=num_heads, init_values=1e-5, reg_tokens=reg_tokens,
-        no_embed_class=reg_tokens > 0, global_pool=global_pool, drop_path_rate=drop_path_rate,
-        dynamic_img_size=dynamic_img_size,
+        embed_dim=embed_dim, depth=depth, num_heads=num_heads, init_values=init_values or None,
+        reg_tokens=reg_tokens, no_embed_class=reg_tokens > 0, global_pool=global_pool,
+        drop_path_rate=drop_path_rate, dynamic_img_size=dynamic_img_size,
+        block_fn=SubsetDropPathBlock if efficient_drop_path else Block,
     )
 
 

@@ -46,6 +46,12 @@ class LoraLayer(nn.Module):
     (unbatched inputs work as for the base layer).
     """
 
+    #: several adapted chunks of a fused ``nn.Linear`` (e.g. q and v of ``qkv``) compute their
+    #: updates with one matmul pair (stacked down factors, block-diagonal up factors) instead of
+    #: one pair per chunk; LoRA and RepLoRA only (DoRA rescales per chunk). Set False on an
+    #: instance to take the per-chunk loop (same result to rounding; kept as the reference).
+    fuse_chunks: bool = True
+
     def __init__(
         self,
         base_layer: nn.Module,
@@ -168,9 +174,41 @@ class LoraLayer(nn.Module):
         conv = F.conv1d if self._n_spatial == 1 else F.conv2d
         return conv(hidden, b.reshape(self.chunk_out, self.rank, *([1] * self._n_spatial)))
 
+    def _fuses_chunks(self) -> bool:
+        """Whether :meth:`forward` takes the fused path (see :attr:`fuse_chunks`)."""
+        return (self.fuse_chunks and len(self.chunks) > 1 and self._n_spatial == 0
+                and type(self.variant_impl).forward_chunk is LoraVariant.forward_chunk
+                and self.variant_impl.bias_in_base)
+
+    def _chunk_index(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        cache = self.__dict__.setdefault("_chunk_index_cache", {})
+        if key not in cache:
+            cache[key] = torch.tensor([CHUNK_NAMES.index(c) for c in self.chunks], device=device)
+        return cache[key]
+
+    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Several chunks of a fused Linear in one matmul pair: ``h = drop(x) [A_1; ...; A_n]^T``
+        (the down factors stacked, ``(*, n r)``), then one batched matmul of each ``h_c`` with its
+        ``B_c`` (a block-diagonal up factor), added into the selected chunks' rows, scaled by ``s``.
+        Exactly :math:`W x + b + s B_c A_c\,\mathrm{drop}(x)` per chunk, as the per-chunk loop."""
+        base = self.base_layer
+        y = F.linear(x, base.weight, base.bias)
+        factors = [self._factors(chunk) for chunk in self.chunks]
+        a_all = torch.cat([a for a, _ in factors])  # (n r, in)
+        b_all = torch.stack([b for _, b in factors])  # (n, out_chunk, r)
+        n, r = len(factors), self.rank
+        h = F.linear(self.lora_dropout(x).to(a_all.dtype), a_all).reshape(-1, n, r)
+        update = torch.bmm(h.transpose(0, 1), b_all.transpose(1, 2).to(h.dtype))  # (n, M, out_chunk)
+        rows = y.reshape(-1, self.n_chunks, self.chunk_out)
+        out = rows.index_add(1, self._chunk_index(y.device), update.transpose(0, 1).to(y.dtype), alpha=self.scaling)
+        return out.reshape(y.shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
             return self.base_layer(x)
+        if self._fuses_chunks():
+            return self._fused_forward(x)
         impl = self.variant_impl
         y = self._base_forward(x, with_bias=impl.bias_in_base)
         x_branch = self.lora_dropout(x)
