@@ -62,7 +62,9 @@ class ForecastRecipe(Recipe):
     """Cross-entropy of the future's tokens given the context's tokens (teacher forcing).
 
     Tokenization runs on the raw model's tokenizer; the forward pass goes through the engine's
-    wrapped module (so data parallel and mixed precision apply).
+    wrapped module (so data parallel and mixed precision apply). The tokenizer itself runs in fp32
+    with autocast off (``SeriesTokenizer``), so the tokens under bf16 autocast are the fp32 ones
+    and no caller-side guard is needed here.
     """
 
     def __init__(self, model, train_dataset, val_dataset=None):

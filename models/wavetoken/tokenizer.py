@@ -20,6 +20,8 @@ PAD tokens with ``attention_mask=False`` in the context, and labels ``-100`` in 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 import numpy as np
@@ -36,6 +38,8 @@ __all__ = [
     "build_tokenizer",
     "SCALINGS",
     "THRESHOLDS",
+    "FP32_METHODS",
+    "fp32_method",
 ]
 
 SCALINGS = ("standard", "mean_abs", "none")
@@ -232,12 +236,61 @@ class TokenizerState:
                               self.n_clipped.repeat_interleave(n, 0), dict(self.extra))
 
 
+#: the tokenizer methods that run in float32 with autocast off, whatever the caller's precision
+FP32_METHODS = ("prepare_context", "encode_context", "encode_labels", "decode")
+#: autocast device types checked (and switched off) around those methods
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def fp32_method(fn):
+    """Run a tokenizer method in float32 with autocast disabled.
+
+    Tokens must not depend on the precision the network runs in: under bf16 autocast the wavelet
+    transform (a conv1d) ran in bf16 and moved about 70% of the context tokens to a neighbouring
+    bin, and decoding rounded forecasts to bf16. Floating tensor arguments below float32 (bf16,
+    fp16) are cast up; autocast is switched off only where it is on (no cost otherwise).
+    """
+    if getattr(fn, "_domainfm_fp32", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(self, *args, **kwargs):
+        args = tuple(_up(a) for a in args)
+        kwargs = {k: _up(v) for k, v in kwargs.items()}
+        enabled = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+        if not enabled:
+            return fn(self, *args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for device in enabled:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            return fn(self, *args, **kwargs)
+
+    wrapped._domainfm_fp32 = True
+    return wrapped
+
+
+def _up(x):
+    if isinstance(x, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16):
+        return x.float()
+    return x
+
+
 class SeriesTokenizer:
     """Interface shared by the tokenizers.
+
+    Every subclass's :data:`FP32_METHODS` run in float32 with autocast disabled
+    (:func:`fp32_method`, applied by ``__init_subclass__``): only the network runs in bf16, the
+    tokens and the decoded values are those of fp32 under any precision.
 
     Attributes:
         vocab_size, n_special_tokens, pad_token_id, eos_token_id, use_eos_token, context_length.
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in FP32_METHODS:
+            if name in cls.__dict__:
+                setattr(cls, name, fp32_method(cls.__dict__[name]))
 
     vocab_size: int
     n_special_tokens: int
