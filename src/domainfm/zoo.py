@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -34,6 +35,9 @@ __all__ = [
     "list_models",
     "list_families",
     "get_card",
+    "UnknownModelError",
+    "FAMILY_OF_NAME",
+    "family_module_of",
     "model_info",
     "build_model",
 ]
@@ -150,11 +154,50 @@ FAMILY_DOMAINS = {
 }
 
 
+#: which family subpackage (``domainfm.models.<family>``) registers the names matching each
+#: fnmatch pattern: looking a name up imports only its family (importing every family costs
+#: seconds: explora imports timm, git torch_geometric and transformers). A name no pattern matches
+#: still resolves, by importing every family; ``tests/test_zoo_lazy.py`` fails for any registered
+#: name this table does not send to the family that registers it.
+FAMILY_OF_NAME: tuple[tuple[str, str], ...] = (
+    ("cbramod-*", "cbramod"),
+    ("chronos-t5-*", "wavetoken"),
+    ("chronos-bolt-*", "wavetoken"),
+    ("wavetoken-*", "wavetoken"),
+    ("explora-*", "explora"),
+    ("fim-*", "fim"),
+    ("git-*", "git"),
+    ("stofm-*", "stofm"),
+    ("wbm-*", "wearables"),
+)
+
+
 def _ensure_families_imported() -> None:
     # Imported lazily: the families import this module to register themselves.
     from domainfm.models import import_families
 
     import_families()
+
+
+def family_module_of(name: str) -> str | None:
+    """The module that registers ``name`` according to :data:`FAMILY_OF_NAME` (None: no entry)."""
+    for pattern, family in FAMILY_OF_NAME:
+        if fnmatch.fnmatchcase(name, pattern):
+            return f"domainfm.models.{family}"
+    return None
+
+
+def _ensure_name_imported(name: str) -> None:
+    """Make ``name`` registered if any family registers it, importing as little as possible:
+    nothing when it already is, else its family from :data:`FAMILY_OF_NAME`, else every family."""
+    if name in _REGISTRY:
+        return
+    module = family_module_of(name) if isinstance(name, str) else None
+    if module is not None:
+        importlib.import_module(module)
+        if name in _REGISTRY:
+            return
+    _ensure_families_imported()
 
 
 def register_model(
@@ -220,14 +263,22 @@ def unregister_model(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
+class UnknownModelError(KeyError):
+    """No registered model has this name (a ``KeyError`` whose ``str`` is the message itself)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def get_card(name: str) -> ModelCard:
-    _ensure_families_imported()
+    """The card of ``name``; imports only the family that registers it (see :data:`FAMILY_OF_NAME`)."""
+    _ensure_name_imported(name)
     try:
         return _REGISTRY[name]
     except KeyError:
         close = [n for n in _REGISTRY if name.split("-")[0] in n][:8]
         hint = f" Similar names: {', '.join(close)}." if close else ""
-        raise KeyError(
+        raise UnknownModelError(
             f"Unknown model {name!r}. `domainfm.list_models()` lists the {len(_REGISTRY)} registered models.{hint}"
         ) from None
 
