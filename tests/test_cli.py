@@ -70,3 +70,164 @@ def test_overrides_may_follow_options(monkeypatch, tmp_path):
     assert seen == {"kind": "finetune", "overrides": ["a.b=1", "c=2", "d.e=[1, 2]"], "runs_dir": str(tmp_path), "name": "r1"}
     with pytest.raises(SystemExit):
         cli.main(["finetune", "fam", "--runs-dir", str(tmp_path), "--bogus"])
+
+
+# --------------------------------------------------------------------------- global flags, precision
+
+
+class _ToyApply:
+    """A stand-in ``domainfm.finetune.dfmclitoy`` whose predict/embed record their argv and fail
+    with a user error (a missing input file), and whose finetune ``run`` does the same."""
+
+    def __init__(self, monkeypatch, tmp_path):
+        import sys
+        import types
+        from dataclasses import dataclass, field
+
+        from domainfm.engine import TrainConfig
+
+        @dataclass
+        class Config:
+            train: TrainConfig = field(default_factory=TrainConfig)
+
+        self.calls: list[tuple[str, list[str]]] = []
+        module = types.ModuleType("domainfm.finetune.dfmclitoy")
+        module.Config = Config
+        module.run = lambda cfg, run_dir: self._fail("run", [cfg.train.precision])
+        module.predict_main = lambda argv: self._fail("predict", argv)
+        module.embed_main = lambda argv: self._fail("embed", argv)
+        monkeypatch.setitem(sys.modules, "domainfm.finetune.dfmclitoy", module)
+        self.config = tmp_path / "toy.yaml"
+        self.config.write_text("train: {max_epochs: 1}\n")
+        self.runs = tmp_path / "runs"
+
+    def _fail(self, what, argv):
+        self.calls.append((what, list(argv)))
+        raise FileNotFoundError(f"no such input for {what}", )
+
+    def argv(self, command: str) -> list[str]:
+        if command in ("predict", "embed"):
+            return [command, "dfmclitoy", "--model", "m", "--input", "in.x", "--output", "out.x"]
+        return [command, "dfmclitoy", "--config", str(self.config), "--runs-dir", str(self.runs)]
+
+
+@pytest.fixture
+def toy_apply(monkeypatch, tmp_path):
+    monkeypatch.delenv("DOMAINFM_DEBUG", raising=False)
+    monkeypatch.delenv("DOMAINFM_PRECISION", raising=False)
+    return _ToyApply(monkeypatch, tmp_path)
+
+
+@pytest.mark.parametrize("command", ["predict", "embed", "finetune"])
+@pytest.mark.parametrize("where", [0, 1, 2, -1])
+def test_debug_is_recognised_anywhere_for_every_subcommand(toy_apply, command, where, capsys):
+    argv = toy_apply.argv(command)
+    # without --debug: one line and the hint, exit 2; the family got its own arguments only
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"domainfm {command}: error: no such input for {'run' if command == 'finetune' else command}",
+                   cli._DEBUG_HINT]
+    # with --debug before the command, after it, after FAMILY or at the very end: the traceback
+    debug_argv = list(argv)
+    debug_argv.insert(len(argv) if where == -1 else where, "--debug")
+    with pytest.raises(FileNotFoundError, match="no such input"):
+        cli.main(debug_argv)
+    first, second = toy_apply.calls
+    assert first == second  # --debug never reaches the family's own parser
+    if command != "finetune":
+        assert second == (command, argv[2:])
+
+
+def test_debug_after_double_dash_belongs_to_the_family(toy_apply, capsys):
+    assert cli.main(["predict", "dfmclitoy", "--", "--debug"]) == 2  # not a traceback: no --debug for us
+    assert toy_apply.calls == [("predict", ["--debug"])]
+
+
+@pytest.mark.parametrize("command", ["list", "info", "download", "evaluate"])
+def test_debug_is_accepted_after_the_other_subcommands(tiny_zoo, command, tmp_path, capsys):
+    argv = {"list": ["list", "dfmtest-*"], "info": ["info", "dfmtest-small"],
+            "download": ["download", "dfmtest-small"], "evaluate": ["evaluate", str(tmp_path)]}[command]
+    expected = cli.main(argv)
+    plain = capsys.readouterr()
+    assert cli.main([*argv, "--debug"]) == expected
+    assert capsys.readouterr() == plain  # same output: --debug is not an argument of the command
+
+
+def test_unknown_model_is_a_one_line_user_error(capsys):
+    assert cli.main(["info", "dfmtest-nosuch"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("domainfm info: error: Unknown model 'dfmtest-nosuch'. `domainfm.list_models()` lists the ")
+    assert err[1:] == [cli._DEBUG_HINT]
+    from domainfm.zoo import UnknownModelError
+
+    with pytest.raises(UnknownModelError, match="dfmtest-nosuch"):
+        cli.main(["--debug", "info", "dfmtest-nosuch"])
+
+
+ALLOWED = "(allowed: auto, 32-true, bf16-mixed, bf16-true, 16-mixed, 64-true)"
+
+
+@pytest.mark.parametrize("command", ["predict", "embed", "finetune"])
+@pytest.mark.parametrize("form", [["--precision", "fp8"], ["--precision=fp8"]])
+def test_bad_precision_option_is_one_line_exit_2(toy_apply, command, form, capsys):
+    assert cli.main([*toy_apply.argv(command), *form]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"domainfm {command}: error: argument --precision: invalid value 'fp8' {ALLOWED}"]
+    assert toy_apply.calls == []  # refused before the family is called or a run folder made
+    assert not toy_apply.runs.exists()
+
+
+def test_good_precision_reaches_the_family(toy_apply, capsys):
+    assert cli.main([*toy_apply.argv("predict"), "--precision", "bf16-mixed"]) == 2  # the toy's missing input
+    assert cli.main([*toy_apply.argv("finetune"), "--precision", "bf16-mixed"]) == 2
+    assert toy_apply.calls[0] == ("predict", [*toy_apply.argv("predict")[2:], "--precision", "bf16-mixed"])
+    assert toy_apply.calls[1] == ("run", ["bf16-mixed"])  # --precision P is train.precision=P
+
+
+def test_bad_precision_in_config_override_or_environment_is_one_line(toy_apply, monkeypatch, capsys):
+    assert cli.main([*toy_apply.argv("finetune"), "train.precision=fp8"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("domainfm finetune: error: train: train.precision='fp8': expected one of")
+    monkeypatch.setenv("DOMAINFM_PRECISION", "fp8")
+    for command in ("predict", "embed", "finetune"):
+        assert cli.main(toy_apply.argv(command)) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"domainfm {command}: error: environment variable DOMAINFM_PRECISION='fp8': invalid value {ALLOWED}"]
+    assert toy_apply.calls == []
+    assert cli.main(["list", "dfmtest-nothing"]) == 0  # commands that compute nothing do not care
+
+
+def test_precision_refused_inside_a_family_is_a_user_error(toy_apply, monkeypatch, capsys):
+    """A value that escapes the CLI's own check (here passed by the family itself) is refused by
+    resolve_precision: one line, exit 2; other ValueErrors stay tracebacks."""
+    import sys
+
+    from domainfm.precision import resolve_precision
+
+    sys.modules["domainfm.finetune.dfmclitoy"].predict_main = lambda argv: resolve_precision("fp16")
+    assert cli.main(toy_apply.argv("predict")) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["domainfm predict: error: precision='fp16': expected one of ('auto', '32-true', 'bf16-mixed', "
+                   "'bf16-true', '16-mixed', '64-true')", cli._DEBUG_HINT]
+
+    def other(argv):
+        raise ValueError("a bug, not the user's input")
+
+    sys.modules["domainfm.finetune.dfmclitoy"].predict_main = other
+    with pytest.raises(ValueError, match="a bug"):
+        cli.main(toy_apply.argv("predict"))
+
+
+def test_bad_precision_through_the_console_entry(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DOMAINFM_DEBUG", "DOMAINFM_PRECISION")}
+    done = subprocess.run([sys.executable, "-m", "domainfm.cli", "embed", "cbramod", "--model", "cbramod-test",
+                           "--input", str(tmp_path / "x.edf"), "--output", str(tmp_path / "o.npz"),
+                           "--precision", "fp8"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**env, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"domainfm embed: error: argument --precision: invalid value 'fp8' {ALLOWED}"
+    assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []

@@ -9,6 +9,10 @@
     domainfm predict FAMILY --model MODEL_OR_RUN_DIR --input PATH --output PATH [family options]
     domainfm embed FAMILY --model MODEL_OR_RUN_DIR --input PATH --output PATH [family options]
 
+Options of ``domainfm`` itself (``--debug``: show the traceback of a user error) may stand anywhere
+on the command line, before or after the subcommand and among a predict/embed family's own
+arguments (no family defines them); a ``--`` ends their search.
+
 A family plugs in by providing ``domainfm.<kind>.<family>`` (kind = pretrain or finetune) with a
 dataclass ``Config`` and ``run(cfg, run_dir) -> dict``; its default config is the shipped
 ``configs/<family>/<kind>.yaml``, which runs on the family's embedded data with nothing to
@@ -106,6 +110,8 @@ def _run_family(kind: str, args) -> int:
 
     module = family_entry(kind, args.family)
     config_file = Path(args.config) if args.config else cfgmod.config_path(args.family, kind)
+    if getattr(args, "precision", None) is not None:
+        args.overrides = list(args.overrides) + [f"train.precision={args.precision}"]
     raw = cfgmod.apply_overrides(cfgmod.load_yaml(config_file), args.overrides)
     cfg = cfgmod.from_dict(module.Config, raw)
     name = args.name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -255,24 +261,81 @@ def _cmd_apply(command: str, args) -> int:
     return int(entry(args.rest) or 0)
 
 
+#: options of the ``domainfm`` command itself -> their help; recognised anywhere before ``--``
+GLOBAL_FLAGS = {
+    "--debug": "show the full traceback of an error (user errors are otherwise one line); "
+               "also DOMAINFM_DEBUG=1",
+}
+
+#: commands that compute (and so read --precision / train.precision / DOMAINFM_PRECISION)
+_COMPUTING = ("pretrain", "finetune", "evaluate", "predict", "embed")
+
+
+def split_global_flags(argv: Sequence[str]) -> tuple[list[str], set[str]]:
+    """``argv`` without the global flags, and the set of those given. The same rule for every
+    subcommand: a global flag may stand anywhere up to a ``--`` (which ends options)."""
+    rest: list[str] = []
+    given: set[str] = set()
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            rest.extend(argv[i:])
+            break
+        if arg in GLOBAL_FLAGS:
+            given.add(arg)
+        else:
+            rest.append(arg)
+    return rest, given
+
+
+def _precision_error(command: str, argv: Sequence[str]) -> str | None:
+    """The one-line error for a precision no command accepts (``--precision`` among ``argv``, or
+    ``DOMAINFM_PRECISION``), else None. Checked before anything is built or written."""
+    if command not in _COMPUTING:
+        return None
+    from domainfm.precision import PRECISIONS
+
+    allowed = ", ".join(PRECISIONS)
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        value = None
+        if arg == "--precision" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--precision="):
+            value = arg.split("=", 1)[1]
+        if value is not None and value not in PRECISIONS:
+            return f"argument --precision: invalid value {value!r} (allowed: {allowed})"
+    env = os.environ.get("DOMAINFM_PRECISION", "").strip()
+    if env and env not in PRECISIONS:
+        return f"environment variable DOMAINFM_PRECISION={env!r}: invalid value (allowed: {allowed})"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="domainfm", description="Domain foundation models: zoo, weights, pretraining and fine-tuning.")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the full traceback of an error (user errors are otherwise one line)")
+    # the global flags are taken out of argv before parsing (see split_global_flags); declared on
+    # every parser so that each --help shows them
+    glob = argparse.ArgumentParser(add_help=False)
+    for flag, text in GLOBAL_FLAGS.items():
+        parser.add_argument(flag, action="store_true", help=text)
+        glob.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("list", help="list registered models", description="List registered models (fnmatch pattern).")
+    def add(name: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[glob], **kwargs)
+
+    p = add("list", help="list registered models", description="List registered models (fnmatch pattern).")
     p.add_argument("pattern", nargs="?", default="*")
     p.add_argument("--pretrained", action="store_true",
                    help="only models with a weight source; shows each source, its licence and how it is verified")
     p.add_argument("--family", default=None)
     p.set_defaults(func=_cmd_list)
 
-    p = sub.add_parser("info", help="print a model card", description="Print a model's card as JSON.")
+    p = add("info", help="print a model card", description="Print a model's card as JSON.")
     p.add_argument("name")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("download", help="download and verify a model's weights into the cache",
+    p = add("download", help="download and verify a model's weights into the cache",
                        description="Download a model's weights (hf:// and timm:// sources into the Hugging Face "
                                    "cache, others into $DOMAINFM_HOME) and verify their sha256.")
     p.add_argument("name")
@@ -281,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_download)
 
     for kind in ("pretrain", "finetune"):
-        p = sub.add_parser(kind, help=f"{kind} a model family (default config runs on embedded data)",
+        p = add(kind, help=f"{kind} a model family (default config runs on embedded data)",
                            description=f"Run {kind}ing for FAMILY with its config (default configs/FAMILY/{kind}.yaml) "
                                        "and key=value overrides, e.g. train.lr=1e-4 train.max_epochs=2.")
         p.add_argument("family")
@@ -289,16 +352,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", default=None, help="YAML config file")
         p.add_argument("--name", default=None, help="run name (default: timestamp)")
         p.add_argument("--runs-dir", default="runs", help="root folder of runs (default: ./runs)")
+        p.add_argument("--precision", default=None,
+                       help="shorthand for the override train.precision=P (auto, 32-true, bf16-mixed, ...)")
         p.set_defaults(func=lambda a, k=kind: _run_family(k, a))
 
-    p = sub.add_parser("evaluate", help="evaluate a finished run's best checkpoint",
+    p = add("evaluate", help="evaluate a finished run's best checkpoint",
                        description="Evaluate RUN_DIR's best checkpoint with its saved config.")
     p.add_argument("run_dir")
     p.add_argument("overrides", nargs="*", help="key=value overrides (e.g. data.root=OTHER)")
     p.set_defaults(func=_cmd_evaluate)
 
     for command, what in (("predict", "predictions"), ("embed", "embeddings")):
-        p = sub.add_parser(command, help=f"apply a model to a file of the family's format: {what}",
+        p = add(command, help=f"apply a model to a file of the family's format: {what}",
                            description=f"Write FAMILY's {what} for --input (the family's own file format) to "
                                        f"--output with --model (a registered name, a saved model folder or a run "
                                        f"folder); arguments after FAMILY are the family's (see "
@@ -314,15 +379,32 @@ def _user_error_types() -> tuple[type, ...]:
     from domainfm.config import ConfigError
     from domainfm.engine import ResumeError
     from domainfm.experiment import RunFolderError, WeightsUnavailable
+    from domainfm.zoo import UnknownModelError
 
-    return (ConfigError, RunFolderError, ResumeError, WeightsUnavailable, hub.HubError, FileNotFoundError)
+    return (ConfigError, RunFolderError, ResumeError, WeightsUnavailable, hub.HubError, FileNotFoundError,
+            UnknownModelError)
+
+
+def _raised_in(exc: BaseException, function) -> bool:
+    """Whether ``exc`` was raised by ``function`` itself (its innermost frame)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code is function.__code__
 
 
 def is_user_error(exc: BaseException) -> bool:
-    """Errors about the user's input (config, data, weights, run folder): reported in one line,
-    not as a traceback. Data errors are the ``ValueError`` subclasses the data loaders define."""
+    """Errors about the user's input (config, data, weights, run folder, model name, precision):
+    reported in one line, not as a traceback. Data errors are the ``ValueError`` subclasses the
+    data loaders define; a precision no one accepts is the ``ValueError`` of
+    :func:`domainfm.precision.resolve_precision`."""
     if isinstance(exc, _user_error_types()):
         return True
+    if type(exc) is ValueError:
+        from domainfm.precision import resolve_precision
+
+        if _raised_in(exc, resolve_precision):
+            return True
     return isinstance(exc, ValueError) and any(
         c.__module__.startswith(("domainfm.data_loaders", "data_loaders")) for c in type(exc).__mro__
         if issubclass(c, ValueError) and c is not ValueError)
@@ -332,11 +414,8 @@ _DEBUG_HINT = "  (run again with --debug for the traceback)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # --debug may stand anywhere before a predict family's own arguments
-    cut = argv.index("predict") + 2 if "predict" in argv else len(argv)
-    debug = "--debug" in argv[:cut] or os.environ.get("DOMAINFM_DEBUG", "").strip() in {"1", "true", "yes"}
-    argv = [a for i, a in enumerate(argv) if not (a == "--debug" and i < cut)]
+    argv, flags = split_global_flags(list(sys.argv[1:] if argv is None else argv))
+    debug = "--debug" in flags or os.environ.get("DOMAINFM_DEBUG", "").strip() in {"1", "true", "yes"}
     parser = build_parser()
     # key=value overrides may also follow --options (argparse stops filling a positional list
     # at the first option); anything else left over is an error as usual
@@ -346,6 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.overrides = list(args.overrides) + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    bad_precision = _precision_error(args.command, argv)
+    if bad_precision:
+        print(f"domainfm {args.command}: error: {bad_precision}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except Exception as exc:  # noqa: BLE001 - user errors become one line; anything else propagates
