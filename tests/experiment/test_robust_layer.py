@@ -239,3 +239,36 @@ def test_unknown_methods_are_config_errors():
     cfg = cfgmod.from_dict(ExperimentConfig, cfgmod.apply_overrides({}, ["adapt.interpolation=wise", "adapt.wise_alpha=0.5"]))
     assert cfg.adapt.wise_alpha == [0.5] and cfg.adapt.interpolations == ["wise"]
     assert AdaptSection(interpolation="wise+dawin").interpolations == ["wise", "dawin"]
+
+
+def test_fine_tuning_starts_from_the_probe_head(pretrained, tmp_path):
+    """With a probe as the pretrained side, the fine-tuned arms start from it (LP-FT, as FLOW's
+    official vision code loads the linear-probe checkpoint before fine-tuning and WiSE-FT starts
+    from the zero-shot head), so the WiSE path connects two points of one fine-tuning run: the
+    head the fine-tuning starts from is the trained probe (not the seed's random head), and it is
+    exactly the alpha-0 model."""
+    from sklearn.metrics import balanced_accuracy_score
+
+    from domainfm import create_model
+
+    folder, head = pretrained
+    starts = {}
+
+    def record(cfg, model, mode):
+        starts.setdefault(mode, {k: v.detach().clone() for k, v in model.head.state_dict().items()})
+
+    family = _family(head)
+    family.prepare = record
+    cfg = ToyConfig(model=ModelSection(name=NAME, pretrained=folder), arms=["pretrained"],
+                    adapt=AdaptSection(interpolation="wise", wise_alpha=[0.0, 1.0], probe_epochs=3))
+    arms = family.run(cfg, tmp_path / "run")["arms"]
+    assert set(starts) == {"linear_probe", "full"}
+    assert not torch.equal(starts["full"]["weight"], starts["linear_probe"]["weight"])
+    model = create_model(folder, n_outputs=2).eval()
+    model.head.load_state_dict(starts["full"])
+    x, y = _data(96, 4, _rule(22, 2)).tensors
+    with torch.no_grad():
+        pred = model(x).argmax(-1)
+    expected = balanced_accuracy_score(y.numpy(), pred.numpy())
+    assert arms["pretrained+wise@0"]["test"]["balanced_accuracy"] == pytest.approx(expected, abs=1e-9)
+    assert expected > 0.7  # the probe learned the task

@@ -439,6 +439,12 @@ class Family:
                 setup = self._robust_setup(cfg, arm, seed, model, task, arm_dir, flow, cache)
                 if flow:
                     result["flow"] = dict(setup["flow"])
+                if setup["probe"]:
+                    # LP-FT: fine-tuning starts from the probe (FLOW's official vision code loads the
+                    # linear-probe checkpoint before fine-tuning; WiSE-FT starts from the zero-shot
+                    # head), so alpha runs along one fine-tuning path from the pretrained side
+                    model.load_state_dict(setup["pretrained_state"])
+                    result["head_init"] = "linear probe on the frozen pretrained backbone (LP-FT)"
             # the plain arm and its +flow twin adapt from the same random state (LoRA init), probe or not
             seed_everything(seed, verbose=False)
         total = sum(p.numel() for p in model.parameters())
