@@ -19,8 +19,10 @@ outputs are concatenated. No final norm.
         \\mathrm{MHA}_t(\\mathrm{LN}(h)_{d/2:})]) \\\\
     h &\\leftarrow h + \\mathrm{Drop}(W_2\\,\\mathrm{Drop}(\\mathrm{GELU}(W_1 \\mathrm{LN}(h))))
 
-This implementation computes attention with :func:`torch.nn.functional.scaled_dot_product_attention`
-on plain ``nn.Linear`` projections (``in_proj``/``out_proj``), so that LoRA can wrap them; the
+This implementation computes attention on plain ``nn.Linear`` projections (``in_proj``/``out_proj``),
+so that LoRA can wrap them, with :mod:`domainfm.models.cbramod._fast` (batched-matmul attention for
+the short criss-cross sequences on CPU, ``scaled_dot_product_attention`` elsewhere; oneDNN linears
+with fused bias/GELU/residual at inference); the
 official checkpoint (``nn.MultiheadAttention``'s ``in_proj_weight``) loads through
 :func:`domainfm.models.cbramod.convert.convert_official_state_dict` and gives the official outputs.
 """
@@ -29,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import _fast
 
 __all__ = ["CBraMod", "PatchEmbedding", "CrissCrossLayer", "SelfAttention", "ClassifierHead", "HEAD_TYPES"]
 
@@ -93,9 +97,12 @@ class PatchEmbedding(nn.Module):
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention with a fused ``in_proj`` (q, k, v rows, as in
-    ``nn.MultiheadAttention``) and ``out_proj``, computed with ``scaled_dot_product_attention``.
+    ``nn.MultiheadAttention``) and ``out_proj``; the attention itself is
+    :func:`domainfm.models.cbramod._fast.attention` (batched matmuls for short sequences on CPU,
+    ``scaled_dot_product_attention`` otherwise).
 
-    **Shapes:** ``(S, L, dim) -> (S, L, dim)`` (``S`` independent sequences of length ``L``).
+    **Shapes:** ``(..., L, dim) -> (..., L, dim)`` (independent sequences of length ``L``; the
+    input may be a strided view, the projections read it in place).
     """
 
     def __init__(self, dim: int, n_heads: int, dropout: float = 0.1):
@@ -111,10 +118,10 @@ class SelfAttention(nn.Module):
         nn.init.zeros_(self.out_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s, length, _ = x.shape
-        qkv = self.in_proj(x).view(s, length, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], dropout_p=self.dropout if self.training else 0.0)
-        return self.out_proj(out.transpose(1, 2).reshape(s, length, self.dim))
+        *lead, length, _ = x.shape
+        qkv = _fast.linear(self.in_proj, x).reshape(-1, length, 3 * self.dim)
+        out = _fast.attention(qkv, self.n_heads, self.dropout if self.training else 0.0)
+        return _fast.linear(self.out_proj, out).view(*lead, length, self.dim)
 
 
 class CrissCrossLayer(nn.Module):
@@ -141,19 +148,23 @@ class CrissCrossLayer(nn.Module):
         self.dropout2 = nn.Dropout(dropout)
 
     def _criss_cross(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, n, d = x.shape
         h = self.half
         # split (not two slices): its backward is one concatenation instead of two zero-filled copies
         xs, xt = x.split(h, dim=-1)
-        # spatial: dims [0, d/2) of every patch index attend across the C channels
-        xs = self.self_attn_s(xs.transpose(1, 2).reshape(b * n, c, h)).view(b, n, c, h).transpose(1, 2)
+        # spatial: dims [0, d/2) of every patch index attend across the C channels; the projection
+        # reads the (B, N, C, h) view in place, so the only reorder is the output's transpose back
+        xs = self.self_attn_s(xs.transpose(1, 2)).transpose(1, 2)
         # temporal: dims [d/2, d) of every channel attend across the N patches
-        xt = self.self_attn_t(xt.reshape(b * c, n, h)).view(b, c, n, h)
+        xt = self.self_attn_t(xt)
         return torch.cat((xs, xt), dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout1(self._criss_cross(self.norm1(x)))
-        return x + self.dropout2(self.linear2(self.dropout(F.gelu(self.linear1(self.norm2(x))))))
+        if self.training:
+            return x + self.dropout2(self.linear2(self.dropout(F.gelu(self.linear1(self.norm2(x))))))
+        # eval: dropouts are identities; bias + GELU and bias + residual fuse into the matmuls
+        # where _fast.linear can (no grad, CPU, plain nn.Linear)
+        return _fast.linear(self.linear2, _fast.linear(self.linear1, self.norm2(x), "gelu"), residual=x)
 
 
 class CrissCrossEncoder(nn.Module):
