@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .convert import convert_hf_t5
+from .convert import check_t5_architecture, convert_hf_t5
 
 __all__ = ["convert_chronos_bolt", "apply_chronos_bolt_config", "load_chronos_bolt", "bolt_key"]
 
@@ -54,21 +54,6 @@ def convert_chronos_bolt(state_dict: Mapping[str, torch.Tensor], model) -> dict[
     return convert_hf_t5(renamed, model)
 
 
-def _architecture(model) -> dict[str, Any]:
-    enc, dec = model.encoder, model.decoder
-    attn = enc.blocks[0].self_attn
-    return {
-        "d_model": model.d_model,
-        "d_kv": attn.d_kv,
-        "d_ff": enc.blocks[0].ffn.wi.out_features,
-        "num_heads": attn.num_heads,
-        "num_layers": len(enc.blocks),
-        "num_decoder_layers": len(dec.blocks),
-        "relative_attention_num_buckets": enc.num_buckets,
-        "relative_attention_max_distance": enc.max_distance,
-    }
-
-
 def apply_chronos_bolt_config(model, config: Mapping[str, Any]) -> None:
     """Check an upstream ``config.json`` against ``model`` and adopt its ``chronos_config``.
 
@@ -90,15 +75,7 @@ def apply_chronos_bolt_config(model, config: Mapping[str, Any]) -> None:
     for field in ("context_length", "prediction_length", "input_patch_size", "input_patch_stride", "quantiles"):
         if field not in chronos:
             raise ValueError(f"config.json chronos_config has no {field!r}: not a Chronos-Bolt config")
-    arch = _architecture(model)
-    expected = dict(config)
-    expected.setdefault("num_decoder_layers", expected.get("num_layers"))
-    wrong = [f"{k}: config {expected[k]} vs model {arch[k]}" for k in arch if k in expected and expected[k] != arch[k]]
-    if wrong:
-        raise ValueError(
-            f"config.json describes another architecture than {getattr(model, 'domainfm_name', type(model).__name__)}: "
-            + "; ".join(wrong) + ". Use the chronos-bolt-* variant of the same size (or pass these sizes as keywords)."
-        )
+    check_t5_architecture(model, config, variants="chronos-bolt-*", vocab=False)
     if config.get("is_gated_act", False) or str(config.get("feed_forward_proj", "relu")).startswith("gated-"):
         raise ValueError(f"config.json feed_forward_proj={config.get('feed_forward_proj')!r}: gated feed-forward "
                          "is not supported (Chronos-Bolt's T5 uses ReLU)")

@@ -108,20 +108,39 @@ def convert_hf_t5(state_dict: Mapping[str, torch.Tensor], model) -> dict[str, to
     return out
 
 
-def _architecture(model) -> dict[str, Any]:
+def t5_architecture(model, *, vocab: bool = True) -> dict[str, Any]:
+    """The sizes of ``model``'s T5 stacks under their Hugging Face ``config.json`` names
+    (``vocab_size`` only with ``vocab``: Chronos-Bolt derives it from ``use_reg_token``)."""
     enc, dec = model.encoder, model.decoder
     attn = enc.blocks[0].self_attn
-    return {
+    arch = {
         "d_model": model.d_model,
         "d_kv": attn.d_kv,
         "d_ff": enc.blocks[0].ffn.wi.out_features,
         "num_heads": attn.num_heads,
         "num_layers": len(enc.blocks),
         "num_decoder_layers": len(dec.blocks),
-        "vocab_size": model.vocab_size,
-        "relative_attention_num_buckets": enc.num_buckets,
-        "relative_attention_max_distance": enc.max_distance,
     }
+    if vocab:
+        arch["vocab_size"] = model.vocab_size
+    arch["relative_attention_num_buckets"] = enc.num_buckets
+    arch["relative_attention_max_distance"] = enc.max_distance
+    return arch
+
+
+def check_t5_architecture(model, config: Mapping[str, Any], *, variants: str, vocab: bool = True) -> None:
+    """Raise ``ValueError`` naming every size of :func:`t5_architecture` that ``config`` (a Hugging
+    Face T5 ``config.json``; ``num_decoder_layers`` defaults to ``num_layers``) gives otherwise;
+    ``variants`` (e.g. ``"chronos-t5-*"``) is where the message sends the user."""
+    arch = t5_architecture(model, vocab=vocab)
+    expected = dict(config)
+    expected.setdefault("num_decoder_layers", expected.get("num_layers"))
+    wrong = [f"{k}: config {expected[k]} vs model {arch[k]}" for k in arch if k in expected and expected[k] != arch[k]]
+    if wrong:
+        raise ValueError(
+            f"config.json describes another architecture than {getattr(model, 'domainfm_name', type(model).__name__)}: "
+            + "; ".join(wrong) + f". Use the {variants} variant of the same size (or pass these sizes as keywords)."
+        )
 
 
 def apply_chronos_config(model, config: Mapping[str, Any]) -> None:
@@ -136,15 +155,7 @@ def apply_chronos_config(model, config: Mapping[str, Any]) -> None:
         raise ValueError(f"upstream config: expected a mapping, got {type(config).__name__}")
     if "domainfm" in config:
         return  # our own save format: nothing to adopt
-    arch = _architecture(model)
-    expected = dict(config)
-    expected.setdefault("num_decoder_layers", expected.get("num_layers"))
-    wrong = [f"{k}: config {expected[k]} vs model {arch[k]}" for k in arch if k in expected and expected[k] != arch[k]]
-    if wrong:
-        raise ValueError(
-            f"config.json describes another architecture than {getattr(model, 'domainfm_name', type(model).__name__)}: "
-            + "; ".join(wrong) + ". Use the chronos-t5-* variant of the same size (or pass these sizes as keywords)."
-        )
+    check_t5_architecture(model, config, variants="chronos-t5-*")
     proj = config.get("feed_forward_proj", "relu")
     if proj != "relu":
         raise ValueError(f"config.json feed_forward_proj={proj!r}: only 'relu' (Chronos's T5) is supported")
