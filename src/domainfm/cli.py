@@ -3,8 +3,8 @@
     domainfm list [PATTERN] [--pretrained] [--family F]
     domainfm info NAME
     domainfm download NAME [--source URL]
-    domainfm pretrain FAMILY [--config FILE] [--name RUN] [key=value ...]
-    domainfm finetune FAMILY [--config FILE] [--name RUN] [key=value ...]
+    domainfm pretrain FAMILY [--config FILE] [--name RUN] [--precision P] [key=value ...]
+    domainfm finetune FAMILY [--config FILE] [--name RUN] [--precision P] [key=value ...]
     domainfm evaluate RUN_DIR
     domainfm predict FAMILY --model MODEL_OR_RUN_DIR --input PATH --output PATH [family options]
     domainfm embed FAMILY --model MODEL_OR_RUN_DIR --input PATH --output PATH [family options]
