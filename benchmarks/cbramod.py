@@ -1,14 +1,23 @@
-"""CBraMod speed and memory: this implementation vs an official-style one, on this machine.
+"""CBraMod speed and memory: this implementation vs the official one, on this machine.
 
-Prints training-step and inference throughput (samples/s) and peak memory at the paper's
-pretraining shape (19 channels x 30 one-second patches, batch 8), in fp32 and under bf16
-autocast, for ``domainfm``'s CBraMod (SDPA on plain Linear projections) and for a faithful
-re-statement of the official code's forward (``nn.MultiheadAttention`` per branch, the same
-``.contiguous().view`` layout), with identical weights. Training step = forward of the
-reconstruction objective on masked input + MSE on masked patches + backward + AdamW step.
+Prints training-step and inference throughput (samples/s), the ratio official time / ours, each
+side's share of this machine's matmul peak, and peak memory at the paper's pretraining shape
+(19 channels x 30 one-second patches, batch 8), in fp32 and under bf16 autocast, with identical
+weights on both sides. The official side is the official code itself with ``--official PATH``
+(a checkout of github.com/wjq-learning/CBraMod, fetched for the measurement and never committed;
+its ``models.cbramod.CBraMod`` is imported from there), otherwise the package's restatement of
+its forward (:mod:`domainfm.models.cbramod.reference`: ``nn.MultiheadAttention`` per branch,
+the same ``.contiguous().view`` layout). Training step = forward of the reconstruction objective
+on masked input + MSE on masked patches + backward + AdamW step.
 
-    python benchmarks/cbramod.py                      # all cases
-    python benchmarks/cbramod.py --reps 5 --threads 2 --precision fp32
+    python benchmarks/cbramod.py                      # all cases, in-package restatement
+    python benchmarks/cbramod.py --official /tmp/cbramod-official --threads 2 --no-memory
+    python benchmarks/cbramod.py --reps 5 --threads 2 --precision fp32 --device cuda
+
+Share of peak: FLOPs of one step counted with ``torch.utils.flop_counter`` (matmuls, convolutions,
+attention; on our model with its oneDNN inference linears off, which the counter does not see;
+the arithmetic is the same on both sides), divided by the median time and by
+:func:`_peak.matmul_peak` in the run's dtype.
 
 Both implementations run interleaved, rep by rep, so that load from other processes hits both
 alike; the median of the reps is reported. CPU peak memory is the peak RSS growth of a child
@@ -17,15 +26,24 @@ process per case over the built model and data (VmHWM after a reset), GPU peak i
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from domainfm.models.cbramod.convert import to_official_state_dict
 from domainfm.models.cbramod.reference import RefCBraMod
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _peak import count_flops, matmul_peak, share_of_peak  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- official-style
@@ -46,26 +64,71 @@ class OfficialCBraMod(RefCBraMod):
 # ----------------------------------------------------------------------------- timing
 
 
-def _build(impl: str, device: str):
-    torch.manual_seed(0)
-    if impl == "official":
-        return OfficialCBraMod().to(device)
+class UpstreamCBraMod(nn.Module):
+    """The official ``models.cbramod.CBraMod`` (imported from a checkout) behind the same calls."""
+
+    def __init__(self, upstream_cls):
+        super().__init__()
+        self.model = upstream_cls(in_dim=200, out_dim=200, d_model=200, dim_feedforward=800, seq_len=30,
+                                  n_layer=12, nhead=8)
+
+    def forward_features(self, x):
+        b, c, t = x.shape
+        return self.model.encoder(self.model.patch_embedding(x.view(b, c, t // 200, 200)))
+
+    def forward_reconstruction(self, x, mask):
+        b, c, t = x.shape
+        return self.model(x.view(b, c, t // 200, 200), mask)
+
+
+def import_official(path) -> type:
+    """``models.cbramod.CBraMod`` from a checkout of the official repository at ``path``.
+
+    The checkout's top-level package is called ``models``; it is imported with its directory
+    first on ``sys.path`` and then renamed in ``sys.modules`` so that it shadows nothing else.
+    """
+    root = Path(path).expanduser().resolve()
+    if not (root / "models" / "cbramod.py").is_file() or not (root / "models" / "criss_cross_transformer.py").is_file():
+        raise SystemExit(f"--official {path}: no models/cbramod.py and models/criss_cross_transformer.py there "
+                         "(expected a checkout of github.com/wjq-learning/CBraMod)")
+    clash = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "models" or k.startswith("models.")}
+    sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module("models.cbramod")
+    finally:
+        sys.path.remove(str(root))
+        for key in [k for k in sys.modules if k == "models" or k.startswith("models.")]:
+            sys.modules[f"_cbramod_official_{key}"] = sys.modules.pop(key)
+        sys.modules.update(clash)
+    return module.CBraMod
+
+
+def _build(impl: str, device: str, official_path: str | None = None):
     from domainfm.models.cbramod import CBraMod
 
-    return CBraMod().to(device)
+    torch.manual_seed(0)
+    ours = CBraMod()
+    if impl == "domainfm":
+        return ours.to(device)
+    model = UpstreamCBraMod(import_official(official_path)) if official_path else OfficialCBraMod()
+    target = model.model if official_path else model
+    # the same weights on both sides (the official key layout; its mask encoding is a parameter)
+    target.load_state_dict(to_official_state_dict(ours), strict=True)
+    return model.to(device)
 
 
 def _sync(device):
-    if device == "cuda":
+    if str(device).startswith("cuda"):
         torch.cuda.synchronize()
 
 
-def _runner(impl, mode, precision, batch, device):
-    model = _build(impl, device)
+def _runner(impl, mode, precision, batch, device, official_path=None):
+    model = _build(impl, device, official_path)
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(batch, 19, 30 * 200, generator=g).to(device)
     mask = (torch.rand(batch, 19, 30, generator=g) < 0.5).to(device)
-    ctx = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if precision == "bf16" else (lambda: torch.autocast(device, enabled=False))
+    dev = torch.device(device).type
+    ctx = (lambda: torch.autocast(dev, dtype=torch.bfloat16)) if precision == "bf16" else (lambda: torch.autocast(dev, enabled=False))
     if mode == "infer":
         model.eval()
 
@@ -103,10 +166,10 @@ def _rss_kb(field_name: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field_name}")
 
 
-def _peak_child(impl, mode, precision, batch, device, threads, queue):
+def _peak_child(impl, mode, precision, batch, device, threads, official_path, queue):
     torch.set_num_threads(threads)
-    step = _runner(impl, mode, precision, batch, device)
-    if device == "cuda":
+    step = _runner(impl, mode, precision, batch, device, official_path)
+    if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
@@ -117,16 +180,16 @@ def _peak_child(impl, mode, precision, batch, device, threads, queue):
         base = _rss_kb("VmRSS")
     for _ in range(2):
         step()
-    if device == "cuda":
+    if device.startswith("cuda"):
         queue.put((torch.cuda.max_memory_allocated() - base) / 2**20)
     else:
         queue.put((_rss_kb("VmHWM") - base) / 1024)
 
 
-def peak_memory_mb(impl, mode, precision, batch, device, threads):
+def peak_memory_mb(impl, mode, precision, batch, device, threads, official_path=None):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_peak_child, args=(impl, mode, precision, batch, device, threads, queue))
+    proc = ctx.Process(target=_peak_child, args=(impl, mode, precision, batch, device, threads, official_path, queue))
     proc.start()
     value = queue.get()
     proc.join()
@@ -146,17 +209,28 @@ def main(argv=None):
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: process CPU time (for A/B comparisons with --threads 1 on a busy machine)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--official", default=None, metavar="PATH",
+                        help="a checkout of github.com/wjq-learning/CBraMod: measure against its own model code "
+                             "(default: the package's restatement, domainfm.models.cbramod.reference)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     precisions = ["fp32", "bf16"] if args.precision == "all" else [args.precision]
     modes = ["train", "infer"] if args.mode == "all" else [args.mode]
+    official = f"official code at {args.official}" if args.official else "in-package restatement (reference.py)"
     print(f"device={args.device} threads={args.threads} torch={torch.__version__} batch={args.batch} "
-          f"shape=19x30x200 reps={args.reps} (median)  loadavg={os.getloadavg()[0]:.2f}")
+          f"shape=19x30x200 reps={args.reps} (median, interleaved)  loadavg={os.getloadavg()[0]:.2f}")
+    print(f"official side: {official}")
+    print(f"same weights: max |features ours - official| in fp32 = {_agreement(args.device, args.official):.2e}")
+    peaks = {p: matmul_peak(torch.float32 if p == "fp32" else torch.bfloat16, args.device, args.threads)
+             for p in precisions}
+    print("matmul peak: " + ", ".join(f"{p} {v:.0f} GFLOP/s" for p, v in peaks.items()), flush=True)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     results = []
     for precision in precisions:
         for mode in modes:
-            steps = {impl: _runner(impl, mode, precision, args.batch, args.device) for impl in ("domainfm", "official")}
+            steps = {impl: _runner(impl, mode, precision, args.batch, args.device, args.official)
+                     for impl in ("domainfm", "official")}
+            flops = _step_flops(mode, precision, args.batch, args.device)
             times = {impl: [] for impl in steps}
             for impl, step in steps.items():
                 for _ in range(args.warmup):
@@ -164,21 +238,50 @@ def main(argv=None):
             for _ in range(args.reps):
                 for impl, step in steps.items():
                     times[impl].append(_timed(step, args.device, clock))
-            row = {"mode": mode, "precision": precision}
+            row = {"mode": mode, "precision": precision, "gflop_per_step": flops / 1e9,
+                   "peak_gflops": peaks[precision], "official": official, "loadavg": os.getloadavg()[0]}
             for impl in steps:
-                row[f"{impl}_samples_per_s"] = args.batch / statistics.median(times[impl])
+                median = statistics.median(times[impl])
+                row[f"{impl}_samples_per_s"] = args.batch / median
+                row[f"{impl}_share_of_peak"] = share_of_peak(flops, median, peaks[precision])
                 if not args.no_memory:
-                    row[f"{impl}_peak_mb"] = peak_memory_mb(impl, mode, precision, args.batch, args.device, args.threads)
-            row["speedup"] = row["domainfm_samples_per_s"] / row["official_samples_per_s"]
+                    row[f"{impl}_peak_mb"] = peak_memory_mb(impl, mode, precision, args.batch, args.device, args.threads,
+                                                            args.official)
+            row["speedup"] = row["ratio"] = row["domainfm_samples_per_s"] / row["official_samples_per_s"]
             results.append(row)
             mem = "" if args.no_memory else (f"  peak MB ours {row['domainfm_peak_mb']:7.0f}  "
                                             f"official {row['official_peak_mb']:7.0f}")
             print(f"{mode:5s} {precision:4s}  samples/s ours {row['domainfm_samples_per_s']:7.2f}  "
-                  f"official {row['official_samples_per_s']:7.2f}  speedup {row['speedup']:.2f}x{mem}", flush=True)
+                  f"official {row['official_samples_per_s']:7.2f}  ratio {row['ratio']:.2f}x  "
+                  f"share of peak ours {row['domainfm_share_of_peak']:6.1%} official {row['official_share_of_peak']:6.1%}"
+                  f"{mem}", flush=True)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
+        from domainfm.atomic import atomic_write_json
+
+        atomic_write_json(args.json, results)
     return 0
+
+
+def _step_flops(mode, precision, batch, device) -> int:
+    """FLOPs of one step: counted on our model with the oneDNN inference linears switched off, as
+    ``FlopCounterMode`` does not see them (nor the official fp32 inference's fused
+    ``_native_multi_head_attention``); the arithmetic is the same on both sides."""
+    from domainfm.models.cbramod import _fast
+
+    saved = _fast._HAS_ONEDNN_LINEAR
+    _fast._HAS_ONEDNN_LINEAR = False
+    try:
+        return count_flops(_runner("domainfm", mode, precision, batch, device))
+    finally:
+        _fast._HAS_ONEDNN_LINEAR = saved
+
+
+def _agreement(device, official_path) -> float:
+    """Max |difference| of the two sides' fp32 features on a small input (a wiring check)."""
+    ours, official = (_build(impl, device, official_path).eval() for impl in ("domainfm", "official"))
+    x = torch.randn(2, 19, 5 * 200, generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=False):
+        return (ours.forward_features(x) - official.forward_features(x)).abs().max().item()
 
 
 if __name__ == "__main__":
