@@ -159,9 +159,13 @@ class CrissCrossLayer(nn.Module):
         return torch.cat((xs, xt), dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout1(self._criss_cross(self.norm1(x)))
         if self.training:
-            return x + self.dropout2(self.linear2(self.dropout(F.gelu(self.linear1(self.norm2(x))))))
+            # dropouts through _fast.dropout (the nn.Dropout modules keep their p and names): on
+            # CPU a cheaper mask than bernoulli_, fused with the residual add
+            x = _fast.dropout(self._criss_cross(self.norm1(x)), self.dropout1.p, True, residual=x)
+            hidden = _fast.dropout(F.gelu(self.linear1(self.norm2(x))), self.dropout.p, True)
+            return _fast.dropout(self.linear2(hidden), self.dropout2.p, True, residual=x)
+        x = x + self._criss_cross(self.norm1(x))
         # eval: dropouts are identities; bias + GELU and bias + residual fuse into the matmuls
         # where _fast.linear can (no grad, CPU, plain nn.Linear)
         return _fast.linear(self.linear2, _fast.linear(self.linear1, self.norm2(x), "gelu"), residual=x)

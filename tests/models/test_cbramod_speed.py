@@ -212,3 +212,59 @@ def test_bf16_autocast_error_is_within_the_official_models_own_bf16_error():
     assert err_theirs.max() > 1e-3  # autocast was really in effect
     assert err_ours.max() <= 1.5 * err_theirs.max() + 0.02
     assert err_ours.mean() <= 1.5 * err_theirs.mean() + 1e-3
+
+
+# ------------------------------------------------------------------------------------------ dropout
+
+
+def test_keep_mask_rate_scale_and_reproducibility():
+    torch.manual_seed(0)
+    keep, scale = _fast.keep_mask((1000, 1001), 0.1)
+    assert keep.dtype == torch.bool and keep.shape == (1000, 1001)
+    p_eff = round(0.1 * 65536) / 65536
+    assert abs(p_eff - 0.1) < 2 ** -17 and scale == pytest.approx(1 / (1 - p_eff), rel=1e-12)
+    n = keep.numel()
+    assert abs(keep.float().mean().item() - (1 - p_eff)) < 5 * (p_eff * (1 - p_eff) / n) ** 0.5  # binomial 5 sigma
+    # no correlation between neighbouring 16-bit slots of one 64-bit draw
+    k = keep.flatten()[: n - n % 4].view(-1, 4).float()
+    assert (k[:, 0] * k[:, 1]).mean().item() == pytest.approx((1 - p_eff) ** 2, abs=3e-3)
+    torch.manual_seed(0)
+    again, _ = _fast.keep_mask((1000, 1001), 0.1)
+    assert torch.equal(keep, again)  # torch.manual_seed reproducible
+    for p in (0.0, 0.5, 0.9):
+        keep, scale = _fast.keep_mask((200_000,), p)
+        assert abs(keep.float().mean().item() - (1 - p)) < 0.01 and scale == pytest.approx(1 / (1 - p), rel=1e-4)
+
+
+def test_dropout_values_gradients_and_residual():
+    x = torch.randn(64, 50, requires_grad=True)
+    res = torch.randn(64, 50)
+    assert _fast.dropout(x, 0.3, training=False) is x
+    torch.testing.assert_close(_fast.dropout(x, 0.3, False, residual=res), res + x)
+    torch.manual_seed(7)
+    out = _fast.dropout(x, 0.3, training=True)
+    torch.manual_seed(7)
+    keep, scale = _fast.keep_mask(x.shape, 0.3)
+    torch.testing.assert_close(out, torch.where(keep, x * scale, 0.0))
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, keep.float() * scale)
+    torch.manual_seed(7)
+    fused = _fast.dropout(x, 0.3, training=True, residual=res)
+    torch.testing.assert_close(fused, res + out, rtol=0, atol=1e-6)
+    assert (out == 0).float().mean().item() == pytest.approx(0.3, abs=0.05)
+
+
+def test_train_mode_layer_uses_dropout_with_the_right_statistics():
+    # train mode with dropout: E[output] over masks equals the eval output up to the nonlinearity,
+    # and p=0 gives exactly the eval output (dropout is the only train/eval difference)
+    from domainfm.models.cbramod.cbramod import CrissCrossLayer
+
+    torch.manual_seed(0)
+    layer = CrissCrossLayer(d_model=16, n_heads=4, dim_feedforward=32, dropout=0.0)
+    x = torch.randn(2, 3, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer.train()(x), layer.eval()(x), rtol=0, atol=1e-6)
+    layer = CrissCrossLayer(d_model=16, n_heads=4, dim_feedforward=32, dropout=0.5).train()
+    a, b = layer(x), layer(x)
+    assert not torch.allclose(a, b)  # stochastic in train mode
+    assert a.shape == x.shape and torch.isfinite(a).all()
