@@ -10,6 +10,24 @@ the exact bytes of gradients + AdamW state (2 fp32 moments per trainable paramet
 peak memory (CUDA: max allocated; CPU: peak RSS of a fresh subprocess per configuration).
 Inference: median forward time of the plain timm ViT, the ViT with unmerged LoRA, with merged
 LoRA (wrappers kept) and with merged + unloaded LoRA (plain modules again).
+
+Side by side with DINOv2's official ViT (issue 15):
+
+    git --git-dir=<fetched dinov2 mirror> archive HEAD | tar -x -C /tmp/dinov2   # never committed
+    python benchmarks/explora.py --official /tmp/dinov2 --threads 2 --n-local 8 --precision auto
+
+times one *student* forward + backward (2 global + ``--n-local`` local crops through the backbone,
+a squared-token loss on the normed class and patch tokens, backward) of our ViT-S/14 and of
+``dinov2.models.vision_transformer.vit_small`` built from that checkout, with the same weights
+(our state dict loaded into it; checked: eval outputs agree), the same per-block drop-path rates
+(timm's linear rule up to ``--drop-path``, which DINOv2 also uses with ``drop_path_uniform=False``)
+and the same LoRA (``lora.apply(..., preset="explora")`` on both). Interleaved in one process, each
+repetition alternating the order; prints the median wall time and process CPU time of each, the
+ratio official / ours, and each one's FLOPs (``torch.utils.flop_counter``) as a share of this
+machine's matmul peak. Also timed: ``ours-before`` (timm's Block with per-sample DropPath, per-chunk
+LoRA, SDPA attention: the state before issue 15). The official model's LoRA is the per-chunk loop
+(``--official-lora unfused``, the default: the form an official LoRA of q and v takes) or our fused
+path (``fused``).
 """
 from __future__ import annotations
 
@@ -138,6 +156,170 @@ def inference_benchmark(args) -> dict:
     return res
 
 
+# ---------------------------------------------------------------- side by side with DINOv2's official ViT
+
+def _import_official(path: str):
+    """``vit_small`` from a checkout of facebookresearch/dinov2 (needs only torch; xFormers off)."""
+    import os
+    import pathlib
+    import warnings
+
+    root = pathlib.Path(path).expanduser().resolve()
+    if not (root / "dinov2" / "models" / "vision_transformer.py").is_file():
+        raise SystemExit(f"--official {path}: expected a dinov2 checkout with dinov2/models/vision_transformer.py")
+    os.environ.setdefault("XFORMERS_DISABLED", "1")  # its fallbacks are plain torch
+    sys.path.insert(0, str(root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from dinov2.models.vision_transformer import vit_small
+    return vit_small
+
+
+def _set_trained_like(model) -> None:
+    """LayerScales at 1 and non-zero LoRA up factors (a random ViT's 1e-5 LayerScale and zero B
+    would make every branch invisible in the agreement check)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gamma"):
+                p.fill_(1.0)
+            elif "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def build_pair(args):
+    """Ours, ours-before and the official ViT-S/14, all with the explora LoRA and the same weights."""
+    from domainfm import create_model, lora
+    from domainfm.lora.layer import LoraLayer
+
+    vit_small = _import_official(args.official)
+    torch.manual_seed(0)
+    common = dict(img_size=args.img, n_outputs=0, dynamic_img_size=True, drop_path_rate=args.drop_path)
+    ours = create_model("explora-dinov2-vit-small", **common)
+    lora.apply(ours, preset="explora")
+    _set_trained_like(ours)
+    state = ours.state_dict()
+    before = create_model("explora-dinov2-vit-small", efficient_drop_path=False, **common)
+    lora.apply(before, preset="explora")
+    official = vit_small(patch_size=14, img_size=args.img, init_values=1.0, block_chunks=0,
+                         drop_path_rate=args.drop_path, drop_path_uniform=False)
+    lora.apply(official, preset="explora")
+    for name, model in (("ours-before", before), ("official", official)):
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"mask_token"}:
+            raise RuntimeError(f"{name}: weights do not line up: missing {missing}, unexpected {unexpected}")
+    for m in before.modules():
+        if isinstance(m, LoraLayer):
+            m.fuse_chunks = False
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = True
+    if args.official_lora == "unfused":
+        for m in official.modules():
+            if isinstance(m, LoraLayer):
+                m.fuse_chunks = False
+    counts = {n: lora.count_trainable(m) for n, m in (("ours", ours), ("ours-before", before), ("official", official))}
+    if len(set(counts.values())) != 1:
+        raise RuntimeError(f"trainable parameter counts differ: {counts}")
+    return {"ours": ours, "ours-before": before, "official": official}, counts["ours"]
+
+
+def _tokens(name, model, x):
+    """Normed class token ``(B, D)`` and patch tokens ``(B, N, D)`` as the student computes them."""
+    if name == "official":
+        out = model.forward_features(x)
+        return out["x_norm_clstoken"], out["x_norm_patchtokens"]
+    from domainfm.pretrain.explora.dino import vit_tokens
+
+    return vit_tokens(model, x)
+
+
+def official_comparison(args) -> int:
+    import contextlib
+
+    from _peak import count_flops, matmul_peak, peak_line, share_of_peak
+
+    from domainfm.precision import autocast, autocast_dtype, resolve_precision
+
+    device = args.device
+    models, trainable = build_pair(args)
+    for m in models.values():
+        m.to(device)
+    # agreement check in fp32, eval mode (no drop path), global crops (no position-table resampling)
+    x = torch.randn(2, 3, args.img, args.img, device=device)
+    with torch.no_grad():
+        ref = [t.float() for t in _tokens("ours", models["ours"].eval(), x)]
+        diffs = {}
+        for name in ("ours-before", "official"):
+            got = _tokens(name, models[name].eval(), x)
+            diffs[name] = max(float((a.float() - b).abs().max()) for a, b in zip(got, ref))
+    if max(diffs.values()) > 1e-3:
+        raise RuntimeError(f"the models do not compute the same function (fp32 max |diff| {diffs})")
+
+    g = torch.Generator().manual_seed(0)
+    globals_ = torch.randn(2 * args.batch, 3, args.img, args.img, generator=g).to(device)
+    locals_ = torch.randn(args.n_local * args.batch, 3, args.local, args.local, generator=g).to(device)
+    precisions = ["32-true", "auto"] if args.precision == "both" else [args.precision]
+    threads = torch.get_num_threads()
+    print(f"ExPLoRA student step vs DINOv2's official ViT ({args.official}): ViT-S/14, batch {args.batch} x "
+          f"(2 global {args.img}px + {args.n_local} local {args.local}px), drop-path {args.drop_path} (linear over "
+          f"depth), LoRA preset explora ({trainable:,} trainable), official LoRA {args.official_lora}, "
+          f"device {device}, threads {threads}")
+    print(f"fp32 eval agreement with ours (max |diff| of tokens): " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    print(peak_line(threads, device))
+    for precision in precisions:
+        resolved = resolve_precision(precision, device)
+        dtype = autocast_dtype(precision, device) or torch.float32
+        peak = matmul_peak(dtype, device, threads)
+
+        def step(name, model=None):
+            model = models[name]
+            model.train()
+            with autocast(precision, device) if resolved != "32-true" else contextlib.nullcontext():
+                loss = 0.0
+                for crops in (globals_, locals_):
+                    cls, patches = _tokens(name, model, crops)
+                    loss = loss + cls.float().square().mean() + patches.float().square().mean()
+            loss.backward()
+            for p in model.parameters():
+                p.grad = None
+
+        flops = {name: count_flops(step, name) for name in models}
+        for name in models:  # warm-up
+            step(name)
+        wall = {name: [] for name in models}
+        cpu = {name: [] for name in models}
+        order = list(models)
+        for rep in range(args.reps):
+            for name in (order if rep % 2 == 0 else order[::-1]):
+                _sync(device)
+                t0, c0 = time.perf_counter(), time.process_time()
+                step(name)
+                _sync(device)
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+        med = {n: statistics.median(v) for n, v in wall.items()}
+        med_cpu = {n: statistics.median(v) for n, v in cpu.items()}
+        print(f"\n[{resolved}] median of {args.reps} interleaved steps (load average before: "
+              f"{_loadavg()})")
+        print(f"{'':14s}{'wall s':>9s}{'cpu s':>9s}{'GFLOP':>9s}{'GFLOP/s':>9s}{'of peak':>9s}"
+              f"{'official/x wall':>17s}{'official/x cpu':>16s}")
+        for name in models:
+            rate = flops[name] / med[name] / 1e9
+            print(f"{name:14s}{med[name]:9.3f}{med_cpu[name]:9.3f}{flops[name] / 1e9:9.1f}{rate:9.1f}"
+                  f"{100 * share_of_peak(flops[name], med[name], peak):8.1f}%"
+                  f"{med['official'] / med[name]:16.2f}x{med_cpu['official'] / med_cpu[name]:15.2f}x")
+        print(f"(matmul peak {peak:.0f} GFLOP/s in {str(dtype).replace('torch.', '')}; FLOPs counted on one step "
+              f"each, drop-path subsets drawn independently)")
+    return 0
+
+
+def _loadavg() -> str:
+    try:
+        return open("/proc/loadavg").read().split()[0]
+    except OSError:
+        return "n/a"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -151,9 +333,19 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--only", choices=["explora", "full", "inference"], default=None,
                         help="run one part in this process (used for per-configuration peak RSS)")
+    parser.add_argument("--official", default=None, metavar="PATH",
+                        help="checkout of facebookresearch/dinov2: time the student step side by side with its ViT")
+    parser.add_argument("--official-lora", choices=["unfused", "fused"], default="unfused",
+                        help="LoRA form on the official ViT (default: per-chunk, as an official q/v LoRA)")
+    parser.add_argument("--drop-path", type=float, default=0.3)
+    parser.add_argument("--precision", default="auto",
+                        help="with --official: auto (domainfm.precision), 32-true, bf16-mixed, or both (fp32 and auto)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.official:
+        sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+        return official_comparison(args)
     if args.only:
         result = inference_benchmark(args) if args.only == "inference" else step_benchmark(args, args.only == "explora")
         print(json.dumps(result))

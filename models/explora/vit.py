@@ -57,7 +57,9 @@ class SubsetDropPathBlock(Block):
     """timm's pre-norm ``Block`` (same parameters and keys) whose stochastic depth, in training
     with a drop rate above :data:`EFFICIENT_DROP_PATH_ABOVE`, runs each residual branch on the kept
     samples only (:func:`drop_add_residual`), as DINOv2's ``Block``. In eval, at lower rates, or
-    with an attention mask, it is timm's ``Block`` exactly.
+    with an attention mask, it is timm's ``Block`` exactly. On CPU in bf16 the attention takes
+    timm's own plain matmul + softmax form instead of the fused SDPA kernel (same function,
+    2-3x faster there; see :meth:`_choose_attention_kernel`).
 
     The drop rate is read from ``drop_path1.drop_prob`` / ``drop_path2.drop_prob`` at every call,
     so zeroing those (as the DINO teacher does) turns it off. ``generator`` (default None: the
@@ -66,10 +68,28 @@ class SubsetDropPathBlock(Block):
 
     generator: torch.Generator | None = None
 
+    def _choose_attention_kernel(self, x: torch.Tensor) -> None:
+        # timm's Attention has two exact forms of softmax(q k^T / sqrt(d)) v: the fused SDPA kernel
+        # and plain matmul + softmax. On CPU in bf16 the plain form is 2-3x faster for ViT
+        # sequences (50-257 tokens, forward + backward, measured with torch 2.14: the CPU flash
+        # kernel is a poor fit there); in fp32 and on GPUs the fused kernel is as fast or faster.
+        # Under autocast the plain form rounds the attention logits to bf16 (autocast's usual
+        # rule for matmuls); the softmax itself runs in fp32.
+        attn = self.attn
+        if not hasattr(attn, "fused_attn"):
+            return
+        if "_fused_attn_default" not in self.__dict__:
+            self._fused_attn_default = bool(attn.fused_attn)
+        plain = x.device.type == "cpu" and (x.dtype == torch.bfloat16 or (
+            torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16))
+        attn.fused_attn = self._fused_attn_default and not plain
+
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        self._choose_attention_kernel(x)
         p1 = float(getattr(self.drop_path1, "drop_prob", 0.0))
         p2 = float(getattr(self.drop_path2, "drop_prob", 0.0))
-        if not self.training or attn_mask is not None or max(p1, p2) <= EFFICIENT_DROP_PATH_ABOVE:
+        # timm stores the rates as float32 (0.1 -> 0.10000000149): compare with a little slack
+        if not self.training or attn_mask is not None or max(p1, p2) <= EFFICIENT_DROP_PATH_ABOVE + 1e-6:
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
 
         def attn_branch(t: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,7 @@ class LoraLayer(nn.Module):
         return cache[key]
 
     def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Several chunks of a fused Linear in one matmul pair: ``h = drop(x) [A_1; ...; A_n]^T``
+        r"""Several chunks of a fused Linear in one matmul pair: ``h = drop(x) [A_1; ...; A_n]^T``
         (the down factors stacked, ``(*, n r)``), then one batched matmul of each ``h_c`` with its
         ``B_c`` (a block-diagonal up factor), added into the selected chunks' rows, scaled by ``s``.
         Exactly :math:`W x + b + s B_c A_c\,\mathrm{drop}(x)` per chunk, as the per-chunk loop."""
