@@ -48,6 +48,8 @@ def test_create_model_imports_only_its_family():
         model = domainfm.create_model("cbramod-test")
         after_create = families()
         heavy_after_create = [m for m in %r if m in sys.modules]
+        info = zoo.model_info("cbramod-base")  # what `domainfm info` does
+        dynamo_after_info = "torch._dynamo" in sys.modules
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
         n_params = sum(p.numel() for p in model.parameters())
         # a plugin's own name (no table entry) resolves from the registry without importing families
@@ -63,12 +65,17 @@ def test_create_model_imports_only_its_family():
         n_all = len(zoo.list_models())
         heavy_after_all = [m for m in %r if m in sys.modules]
         print(json.dumps(dict(before=before, after_create=after_create, heavy_after_create=heavy_after_create,
+                              info_params=info["num_params"], dynamo_after_info=dynamo_after_info,
                               checksum=checksum, n_params=n_params, after_plugin=after_plugin, unknown=unknown,
                               n_all=n_all, all_families=families(), heavy_after_all=heavy_after_all)))
     """ % (HEAVY, HEAVY))
     assert out["before"] == []
     assert out["after_create"] == ["domainfm.models.cbramod"]
     assert out["heavy_after_create"] == []
+    # model_info counts on the meta device without running the initialisers (whose meta
+    # decompositions import torch._dynamo, seconds): same count as a full build
+    assert out["dynamo_after_info"] is False
+    assert out["info_params"] == sum(p.numel() for p in domainfm.create_model("cbramod-base").parameters())
     assert out["after_plugin"] == ["domainfm.models.cbramod"]
     # the test can fail: importing every family does bring the heavy modules in
     assert set(out["heavy_after_all"]) >= {"timm", "torch_geometric"}
@@ -128,3 +135,15 @@ def test_every_registered_name_resolves_lazily_to_the_eager_factory():
         assert set(got["new"]) <= {own}, f"{name}: imported {got['new']}, expected only {own}"
         assert own in got["now"], name
         assert got["factory"] == eager[name], name
+
+
+def test_model_info_counts_every_model_like_a_plain_meta_build():
+    """model_info skips the initialisers on the meta device: the count (and every parameter's
+    and buffer's shape) is the one of a plain meta build, for every registered model."""
+    for name in _family_names():
+        with torch.device("meta"):
+            plain = zoo.build_model(name)
+        with torch.device("meta"), zoo._SkipInitOnMeta():
+            skipped = zoo.build_model(name)
+        assert {k: v.shape for k, v in skipped.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}, name
+        assert domainfm.model_info(name)["num_params"] == sum(p.numel() for p in plain.parameters()), name
