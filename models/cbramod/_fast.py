@@ -108,6 +108,22 @@ def attention(qkv: torch.Tensor, n_heads: int, dropout_p: float = 0.0, path: str
     return out.transpose(1, 2).reshape(s, length, dim)
 
 
+def _bf16_weights(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 copies of a Linear's weight and bias for autocast inference, kept across calls.
+
+    Autocast casts them again on every forward; the copy is reused while the parameters are the
+    same tensors at the same version (any in-place update, ``load_state_dict`` included, bumps
+    ``_version``; ``.to()`` / re-assignment changes the tensor), and rebuilt otherwise.
+    """
+    w, b = module.weight, module.bias
+    key = (id(w), w.data_ptr(), w._version, id(b), b.data_ptr(), b._version)
+    cached = module.__dict__.get("_fast_bf16")
+    if cached is None or cached[0] != key:
+        cached = (key, w.detach().to(torch.bfloat16), b.detach().to(torch.bfloat16))
+        module.__dict__["_fast_bf16"] = cached
+    return cached[1], cached[2]
+
+
 def _onednn_operands(module: nn.Module, x: torch.Tensor):
     """(x, weight, bias) in the dtype the oneDNN linear should run in, or None for the plain path."""
     if not _HAS_ONEDNN_LINEAR or type(module) is not nn.Linear or module.bias is None:
@@ -119,7 +135,7 @@ def _onednn_operands(module: nn.Module, x: torch.Tensor):
         dtype = torch.get_autocast_dtype("cpu")
         if dtype != torch.bfloat16:
             return None
-        return x.to(dtype), w.to(dtype), b.to(dtype)
+        return x.to(dtype), *_bf16_weights(module)
     if x.dtype not in _ONEDNN_DTYPES or w.dtype != x.dtype or b.dtype != x.dtype:
         return None
     return x, w, b

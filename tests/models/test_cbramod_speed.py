@@ -268,3 +268,16 @@ def test_train_mode_layer_uses_dropout_with_the_right_statistics():
     a, b = layer(x), layer(x)
     assert not torch.allclose(a, b)  # stochastic in train mode
     assert a.shape == x.shape and torch.isfinite(a).all()
+
+
+def test_bf16_weight_copies_follow_in_place_updates_and_reloads():
+    lin = _linear()
+    x = torch.randn(8, 40)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        first = _fast.linear(lin, x)
+        assert torch.equal(_fast.linear(lin, x), first)  # cached copy reused: same result
+        lin.weight.mul_(2.0)  # in-place update: the copy must be rebuilt
+        torch.testing.assert_close(_fast.linear(lin, x).float(), lin(x).float(), rtol=2e-2, atol=2e-2)
+        lin.load_state_dict({"weight": torch.zeros(24, 40), "bias": torch.ones(24)})
+        assert torch.equal(_fast.linear(lin, x).float(), torch.ones(8, 24))
+    assert "_fast_bf16" not in lin.state_dict() and not any("_fast" in k for k in lin.state_dict())
