@@ -103,7 +103,7 @@ class _ToyApply:
 
     def _fail(self, what, argv):
         self.calls.append((what, list(argv)))
-        raise FileNotFoundError(f"no such input for {what}", )
+        raise FileNotFoundError(f"no such input for {what}")
 
     def argv(self, command: str) -> list[str]:
         if command in ("predict", "embed"):
