@@ -116,12 +116,13 @@ def _bf16_weights(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     ``_version``; ``.to()`` / re-assignment changes the tensor), and rebuilt otherwise.
     """
     w, b = module.weight, module.bias
-    key = (id(w), w.data_ptr(), w._version, id(b), b.data_ptr(), b._version)
+    key = (w.data_ptr(), w._version, b.data_ptr(), b._version)
     cached = module.__dict__.get("_fast_bf16")
-    if cached is None or cached[0] != key:
-        cached = (key, w.detach().to(torch.bfloat16), b.detach().to(torch.bfloat16))
+    # the cache holds the parameter objects themselves, so `is` cannot be fooled by a reused id
+    if cached is None or cached[0] is not w or cached[1] is not b or cached[2] != key:
+        cached = (w, b, key, w.detach().to(torch.bfloat16), b.detach().to(torch.bfloat16))
         module.__dict__["_fast_bf16"] = cached
-    return cached[1], cached[2]
+    return cached[3], cached[4]
 
 
 def _onednn_operands(module: nn.Module, x: torch.Tensor):

@@ -281,3 +281,15 @@ def test_bf16_weight_copies_follow_in_place_updates_and_reloads():
         lin.load_state_dict({"weight": torch.zeros(24, 40), "bias": torch.ones(24)})
         assert torch.equal(_fast.linear(lin, x).float(), torch.ones(8, 24))
     assert "_fast_bf16" not in lin.state_dict() and not any("_fast" in k for k in lin.state_dict())
+
+
+def test_bf16_weight_copies_follow_replaced_parameters():
+    lin = _linear()
+    x = torch.randn(8, 40)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _fast.linear(lin, x)
+        lin.weight = nn.Parameter(torch.zeros(24, 40))
+        lin.bias = nn.Parameter(torch.full((24,), 3.0))
+        assert torch.equal(_fast.linear(lin, x).float(), torch.full((8, 24), 3.0))
+        lin.weight.data = torch.ones(24, 40)  # .data swap (what Module.to does): new storage
+        torch.testing.assert_close(_fast.linear(lin, x).float(), lin(x).float(), rtol=2e-2, atol=0.3)
