@@ -47,13 +47,44 @@ def filter_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int 
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+        # ascending; stable, so that of tokens tied at the cut the lower ids go first, whatever the
+        # vocabulary slice (the CPU sampler filters only the top-k candidates)
+        sorted_logits, order = torch.sort(logits, dim=-1, stable=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         remove_sorted = cumulative <= 1 - top_p
         remove_sorted[..., -1] = False  # keep at least the best token
         remove = remove_sorted.scatter(-1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits
+
+
+#: candidates beyond ``top_k`` kept by the top-k sampler, so that ties with the k-th logit (common
+#: with bf16 logits) stay candidates as in the full-vocabulary filter
+_TIE_MARGIN = 14
+
+
+def _sample_top_k(logits: torch.Tensor, u: torch.Tensor, *, temperature: float, top_k: int,
+                  top_p: float | None) -> torch.Tensor | None:
+    """The token :meth:`TokenForecaster._sample` picks, computed on the ``top_k + _TIE_MARGIN``
+    largest logits instead of the whole vocabulary (the filtered-out tokens have probability 0, so
+    the CDF over the candidates in token-id order is the same CDF); about 4x less work per step
+    on CPU. Returns ``None`` when ties with the k-th logit reach past the candidates (then the
+    caller filters the whole vocabulary). ``logits`` (N, V) in any dtype, ``u`` (N,)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (use top_k=1 for greedy decoding)")
+    values, index = torch.topk(logits, top_k + _TIE_MARGIN, dim=-1)  # descending
+    kth = values[:, top_k - 1 : top_k]
+    if bool((values[:, -1:] >= kth).any()):
+        return None
+    keep = values >= kth  # the k largest and their ties (dividing by temperature keeps the order)
+    index, order = index.sort(dim=-1)  # token-id order, the order the CDF is inverted in
+    values = values.float().gather(-1, order).masked_fill_(~keep.gather(-1, order), float("-inf"))
+    values = filter_logits(values, temperature=temperature, top_p=top_p)
+    cdf = values.softmax(-1).cumsum_(-1)
+    total = cdf[:, -1:].contiguous()
+    choice = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    choice = torch.minimum(choice, torch.searchsorted(cdf, total))
+    return index.gather(-1, choice)[:, 0]
 
 
 def _series_key(row: torch.Tensor) -> int:
@@ -217,8 +248,14 @@ class TokenForecaster(T5EncoderDecoder):
     def _sample(logits: torch.Tensor, u: torch.Tensor, n_special: int, *, temperature: float,
                 top_k: int | None, top_p: float | None) -> torch.Tensor:
         """(N,) token ids from (N, V) logits and (N,) uniforms by inverting the filtered CDF over
-        the regular tokens (ids >= ``n_special``; special tokens are never sampled). No host sync."""
-        logits = filter_logits(logits[:, n_special:].float(), temperature=temperature, top_k=top_k, top_p=top_p)
+        the regular tokens (ids >= ``n_special``; special tokens are never sampled). No host sync
+        (on CPU, with ``top_k``, one check whether ties reach past the candidates, which is free)."""
+        logits = logits[:, n_special:]
+        if top_k is not None and 0 < top_k and top_k + _TIE_MARGIN < logits.shape[-1] and logits.device.type == "cpu":
+            choice = _sample_top_k(logits, u, temperature=temperature, top_k=top_k, top_p=top_p)
+            if choice is not None:
+                return choice + n_special
+        logits = filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p)
         cdf = logits.softmax(-1).cumsum_(-1)
         total = cdf[:, -1:].contiguous()
         choice = torch.searchsorted(cdf, u[:, None] * total, right=True)

@@ -69,7 +69,12 @@ class RMSNorm(nn.Module):
 
 class KVCache:
     """Decoder cache: per layer, self-attention keys/values written step by step into buffers of
-    ``max_length`` positions, and cross-attention keys/values computed once from the encoder."""
+    ``max_length`` positions, and cross-attention keys/values computed once from the encoder.
+
+    The self-attention buffers (B, H, max_length, d_kv) are float32 even under bf16 autocast, and
+    the cached self-attention runs with autocast off: with one query per row it is a few hundred
+    tiny matmuls, about 2x faster in fp32 than in bf16 on CPUs without AMX (measured), and under
+    autocast every step would otherwise cast the whole cached K/V to bf16."""
 
     def __init__(self, num_layers: int):
         self.self_k: list[torch.Tensor | None] = [None] * num_layers
@@ -114,17 +119,29 @@ class Attention(nn.Module):
     def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.split(self.k(source)), self.split(self.v(source))
 
+    @staticmethod
+    def _cached_attention(q, kt, v, bias):
+        scores = torch.matmul(q.to(kt.dtype), kt)
+        if bias is not None:
+            scores = scores + bias
+        return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v).to(q.dtype)
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None, *, source: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``kv``: cached keys/values (B, H, S, d) each; the cached attention computes in their dtype."""
         q = self.split(self.q(x))
         if kv is not None and not (self.training and self.dropout):
             # cached decoding: a few queries against many keys, where plain matmuls beat the CPU
             # flash kernel (about 5x in bf16 for one query); softmax runs in float32 under autocast
             k, v = kv
-            scores = torch.matmul(q, k.transpose(-1, -2))
-            if bias is not None:
-                scores = scores + bias
-            out = torch.matmul(scores.softmax(-1).to(v.dtype), v)
+            kt = k.transpose(-1, -2)
+            device = q.device.type
+            if kt.dtype == torch.float32 and device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
+                # float32 cache: autocast would cast the whole cached K/V to bf16 at every step
+                with torch.autocast(device, enabled=False):
+                    out = self._cached_attention(q, kt, v, bias)
+            else:
+                out = self._cached_attention(q, kt, v, bias)
         else:
             k, v = kv if kv is not None else self.project_kv(x if source is None else source)
             out = F.scaled_dot_product_attention(
@@ -323,12 +340,12 @@ class T5EncoderDecoder(nn.Module):
         """A cache for ``max_length`` decoder steps; cross-attention keys/values are projected once
         from ``encoder_states`` (B, L, d). ``repeat`` decoder rows per encoder row (for samples):
         copied ``repeat`` times, or with ``shared=True`` kept once and broadcast (``cache.group``).
-        Under autocast the buffers take the autocast dtype (what the projections produce)."""
+        Self-attention buffers are float32 (see :class:`KVCache`); cross-attention keys/values stay
+        in the projections' dtype (the autocast dtype under autocast)."""
         cache = KVCache(len(self.decoder.blocks))
         b = encoder_states.shape[0] * repeat
-        dtype = encoder_states.dtype
-        if encoder_states.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(encoder_states.device.type):
-            dtype = torch.get_autocast_dtype(encoder_states.device.type)
+        # self-attention buffers: float32 (see KVCache), or the states' dtype when that is wider
+        dtype = torch.promote_types(encoder_states.dtype, torch.float32)
         for i, block in enumerate(self.decoder.blocks):
             # contiguous (B, H, L, d_kv): batched matmuls then read K^T and V without a copy per step
             k, v = (x.contiguous() for x in block.cross_attn.project_kv(encoder_states))

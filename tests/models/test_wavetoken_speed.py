@@ -94,3 +94,74 @@ def test_bf16_predict_keeps_float32_values_and_scale():
     ratios = out / state.scale.view(-1, 1, 1)
     nearest = (ratios.unsqueeze(-1) - centers).abs().min(-1).values
     assert nearest.max() < 1e-4
+
+
+def _reference_choice(logits, u, n_special, temperature, top_k, top_p):
+    """Independent float64 restatement: HF's warpers (temperature, top-k with ties, top-p) over the
+    regular tokens, then the token where the CDF in id order first exceeds ``u * total``."""
+    x = logits[:, n_special:].double() / temperature
+    out = []
+    for row, ur in zip(x, u.double()):
+        keep = torch.ones_like(row, dtype=torch.bool)
+        if top_k is not None:
+            keep &= row >= row.sort(descending=True).values[top_k - 1]
+        p = torch.where(keep, (row - row[keep].max()).exp(), torch.zeros_like(row))
+        p = p / p.sum()
+        if top_p is not None and top_p < 1.0:
+            order = p.argsort(stable=True)  # ascending, ties by id; remove the low tail of mass <= 1 - top_p
+            tail = p[order].cumsum(0) <= 1 - top_p
+            tail[-1] = False
+            p[order[tail]] = 0
+        cdf = p.cumsum(0)
+        out.append(int(torch.searchsorted(cdf, ur * cdf[-1], right=True).clamp(max=len(cdf) - 1)) + n_special)
+    return torch.tensor(out)
+
+
+def test_top_k_candidate_sampler_equals_full_vocabulary_sampling():
+    # the CPU sampler works on the top_k + margin largest logits; it must pick the token of the
+    # full-vocabulary filter, including ties with the k-th logit (bf16 logits have many) and
+    # top-p and temperature; ties past the margin fall back to the full vocabulary
+    from domainfm.models.wavetoken.forecast import TokenForecaster, _sample_top_k
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(128, 514, generator=g) * 2).bfloat16()
+    u = torch.rand(128, generator=g)
+    values = logits[:, 2:].float()
+    kth = values.sort(-1, descending=True).values[:, 49:50]
+    assert ((values == kth).sum(-1) > 1).any()  # ties at the 50th logit do occur
+    for temperature, top_k, top_p in [(1.0, 50, 1.0), (0.7, 10, 0.9), (1.3, 1, None), (1.0, 5, 0.5), (2.0, 50, 0.8)]:
+        got = TokenForecaster._sample(logits, u, 2, temperature=temperature, top_k=top_k, top_p=top_p)
+        assert _sample_top_k(logits[:, 2:], u, temperature=temperature, top_k=top_k, top_p=top_p) is not None
+        assert torch.equal(got, _reference_choice(logits, u, 2, temperature, top_k, top_p))
+    flat = torch.zeros(4, 514)
+    flat[:, 2:52] = 1.0  # 50 tokens tied for the top: more than top_k + margin (44) for top_k=30
+    u4 = torch.tensor([0.0, 0.31, 0.71, 0.999])  # away from the CDF steps (k/50)
+    assert _sample_top_k(flat[:, 2:], u4, temperature=1.0, top_k=30, top_p=None) is None
+    got = TokenForecaster._sample(flat, u4, 2, temperature=1.0, top_k=30, top_p=None)
+    assert torch.equal(got, _reference_choice(flat, u4, 2, 1.0, 30, None))
+    assert got.tolist() == [2, 2 + 15, 2 + 35, 51]
+    # with fewer ties than the margin the candidates hold them all
+    flat[:, 40:52] = 0.0
+    assert torch.equal(_sample_top_k(flat[:, 2:], u4, temperature=1.0, top_k=30, top_p=None) + 2,
+                       _reference_choice(flat, u4, 2, 1.0, 30, None))
+
+
+def test_bf16_cached_decoding_keeps_a_float32_self_attention_cache():
+    # under bf16 autocast the self-attention cache stays float32 (no per-step cast of the cache),
+    # cross-attention keys/values are bf16, and the cached states match the uncached decoder
+    from domainfm.models.wavetoken.t5 import _mask_bias
+
+    torch.manual_seed(0)
+    model = domainfm.create_model("chronos-t5-test").eval()
+    ids, mask, _ = model.tokenize(_series(3))
+    tokens = torch.randint(2, model.vocab_size, (3, 6), generator=torch.Generator().manual_seed(1))
+    tokens[:, 0] = model.decoder_start_token_id
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        states = model.encode(ids, mask)
+        cache = model.new_cache(states, 6)
+        assert cache.self_k[0].dtype == torch.float32 and cache.cross_k[0].dtype == torch.bfloat16
+        bias = _mask_bias(mask, states.dtype)
+        stepped = torch.cat([model.decode_step(tokens[:, t : t + 1], cache, bias) for t in range(6)], 1)
+        full = model.decode(tokens, states, mask)
+    assert stepped.shape == full.shape == (3, 6, model.d_model)
+    torch.testing.assert_close(stepped.float(), full.float(), atol=0.05 * full.float().abs().max().item(), rtol=0)
