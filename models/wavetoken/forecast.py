@@ -229,11 +229,14 @@ class TokenForecaster(T5EncoderDecoder):
                 states = self.decode(prefix[:, : t + 1], expanded, mask)[:, -1:]
                 out[:, t] = prefix[:, t + 1] = self._sample(self.logits(states)[:, 0], flat_u[:, t], n_special, **sample)
             return out.reshape(b, s, num_tokens)
-        cross_bias = _mask_bias(attention_mask.bool(), encoder_states.dtype)
         # every path of a series starts from the same token: the first step runs once per series
         # (B rows), then the cache is widened to B * S rows; cross-attention keys/values stay (B, ...)
         # and are shared by the S paths of a series (cache.group)
         cache = self.new_cache(encoder_states, num_tokens)
+        # the mask bias in the dtype of the cross-attention scores (no mixed-dtype add per step),
+        # and none at all when nothing is masked (adding zeros changes no score)
+        mask = attention_mask.bool()
+        cross_bias = None if bool(mask.all()) else _mask_bias(mask, cache.cross_k[0].dtype)
         start = torch.full((b, 1), self.decoder_start_token_id, dtype=torch.long, device=device)
         first = self.logits(self.decode_step(start, cache, cross_bias))[:, 0]
         out[:, 0] = self._sample(first.repeat_interleave(s, 0), flat_u[:, 0], n_special, **sample)

@@ -124,7 +124,7 @@ class Attention(nn.Module):
         scores = torch.matmul(q.to(kt.dtype), kt)
         if bias is not None:
             scores = scores + bias
-        return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v).to(q.dtype)
+        return torch.matmul(scores.softmax(-1).to(v.dtype), v).to(q.dtype)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None, *, source: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -132,12 +132,14 @@ class Attention(nn.Module):
         q = self.split(self.q(x))
         if kv is not None and not (self.training and self.dropout):
             # cached decoding: a few queries against many keys, where plain matmuls beat the CPU
-            # flash kernel (about 5x in bf16 for one query); softmax runs in float32 under autocast
+            # flash kernel (about 5x in bf16 for one query); bf16 softmax kernels accumulate in float32
             k, v = kv
             kt = k.transpose(-1, -2)
             device = q.device.type
-            if kt.dtype == torch.float32 and device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
-                # float32 cache: autocast would cast the whole cached K/V to bf16 at every step
+            if device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
+                # computed in the cache's dtype with autocast off: autocast would cast a float32
+                # cache to bf16 at every step, and return the softmax of bf16 scores in float32
+                # (a copy back to bf16 per step); the bf16 softmax kernel accumulates in float32
                 with torch.autocast(device, enabled=False):
                     out = self._cached_attention(q, kt, v, bias)
             else:
