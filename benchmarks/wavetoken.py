@@ -12,8 +12,9 @@ Every comparison alternates ours / official (order alternating) and reports medi
 official / ours (> 1: ours faster), so that a loaded machine slows both alike. Rows:
 tokenizer (256 series x 512, encode, 1 thread), predict (batch 32, context 512, horizon 64,
 20 samples) in fp32 and in bf16 (official: ``torch_dtype=bfloat16`` weights; ours: fp32 weights
-under ``domainfm.precision.autocast("bf16-mixed")``), and ours' share of the measured matmul peak
-(FLOPs of one predict from ``torch.utils.flop_counter.FlopCounterMode``).
+under ``domainfm.precision.autocast("bf16-mixed")``), and each side's share of the measured matmul peak
+(``benchmarks/_peak.py``: FLOPs of one predict call of each side from ``torch.utils.flop_counter``,
+counted during the warm-up call).
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import numpy as np
@@ -31,6 +34,9 @@ import torch
 import domainfm
 from domainfm.models.wavetoken import MeanScaleUniformBins
 from domainfm.precision import autocast
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peak import count_flops, matmul_peak, peak_line, share_of_peak  # noqa: E402  (shared helpers)
 
 TINY = dict(d_model=256, d_kv=64, d_ff=1024, num_layers=4, num_decoder_layers=4, num_heads=4,
             relative_attention_num_buckets=32, relative_attention_max_distance=128, vocab_size=4096)
@@ -41,12 +47,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def interleaved(fns: dict, repeats: int, device: str) -> dict[str, float]:
-    """Median seconds per callable, calls alternating and their order flipping every round."""
+def interleaved(fns: dict, repeats: int, device: str, warmup: dict | None = None) -> dict[str, float]:
+    """Median seconds per callable, calls alternating and their order flipping every round.
+    ``warmup``: per name, a callable run once instead of the plain warm-up call (e.g. counting FLOPs)."""
     names = list(fns)
     times = {n: [] for n in names}
     for name in names:  # warm-up
-        fns[name]()
+        (warmup or {}).get(name, fns[name])()
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             sync(device)
@@ -55,26 +62,6 @@ def interleaved(fns: dict, repeats: int, device: str) -> dict[str, float]:
             sync(device)
             times[name].append(time.perf_counter() - start)
     return {n: statistics.median(t) for n, t in times.items()}
-
-
-def matmul_peak(dtype: torch.dtype, device: str, n: int = 1024, repeats: int = 10) -> float:
-    """FLOP/s of a square matmul (median of ``repeats``), the ceiling the shares refer to."""
-    try:
-        from benchmarks._peak import matmul_peak as shared_peak  # another engineer's helper, if present
-        return shared_peak(dtype=dtype, device=device)
-    except Exception:
-        pass
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        a @ b
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times)
 
 
 def build_models(directory: str, device: str):
@@ -111,16 +98,27 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true", help="smaller batch, fewer repeats (development)")
     parser.add_argument("--repeats", type=int, default=None, help="predict repeats per side (default 7; 3 with --quick)")
+    parser.add_argument("--batch", type=int, default=None, help="series per predict call (default 32; 8 with --quick)")
+    parser.add_argument("--rows", default="fp32,bf16", help="predict rows to run: fp32, bf16 or both (comma-separated)")
+    parser.add_argument("--skip-tokenizer", action="store_true", help="only the predict rows")
     args = parser.parse_args()
     device = args.device
-    from chronos import ChronosConfig
-    from chronos import MeanScaleUniformBins as OfficialBins
-
     print(f"torch {torch.__version__}, device {device}, load average {os.getloadavg()}")
     rng = np.random.default_rng(0)
 
     # -- tokenizer: 256 x 512, 1 thread -------------------------------------------------
     torch.set_num_threads(1)
+    if not args.skip_tokenizer:
+        tokenizer_row(args, rng)
+    else:
+        rng.normal(size=(256, 512))  # the same predict series either way
+    predict_rows(args, rng)
+
+
+def tokenizer_row(args, rng) -> None:
+    from chronos import ChronosConfig
+    from chronos import MeanScaleUniformBins as OfficialBins
+
     context = torch.from_numpy((np.cumsum(rng.normal(size=(256, 512)), axis=1) + 10).astype(np.float32))
     context[3, :40] = float("nan")
     cfg = ChronosConfig(tokenizer_class="MeanScaleUniformBins", tokenizer_kwargs={}, context_length=512,
@@ -138,16 +136,23 @@ def main() -> None:
     print(f"tokenizer encode 256 x 512, 1 thread: ours {t['ours'] * 1e3:.3f} ms, official {t['official'] * 1e3:.3f} ms, "
           f"ratio official/ours {t['official'] / t['ours']:.2f}x")
 
-    # -- predict ---------------------------------------------------------------------
+
+
+def predict_rows(args, rng) -> None:
+    device = args.device
     torch.set_num_threads(args.threads)
-    batch, horizon, samples = (8, 64, 20) if args.quick else (32, 64, 20)
+    batch, horizon, samples = (args.batch or (8 if args.quick else 32)), 64, 20
     series = torch.from_numpy((np.cumsum(rng.normal(size=(batch, 512)), axis=1) + 10).astype(np.float32))
     reps = args.repeats or (3 if args.quick else 7)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    print(peak_line(args.threads, device))
     with tempfile.TemporaryDirectory() as directory:
         official, ours = build_models(directory, device)
         print(f"predict chronos-t5-tiny (random weights), batch {batch}, context 512, horizon {horizon}, "
-              f"{samples} samples, {torch.get_num_threads()} threads:")
+              f"{samples} samples, top_k 50, top_p 1, temperature 1, {torch.get_num_threads()} threads, {reps} repeats:")
         for name, dtype, precision in (("fp32", torch.float32, "32-true"), ("bf16", torch.bfloat16, "bf16-mixed")):
+            if name not in rows:
+                continue
             pipe = official[dtype]
 
             def run_official():
@@ -158,16 +163,30 @@ def main() -> None:
                 with autocast(precision, device):
                     ours.predict(series, horizon, num_samples=samples, seed=0)
 
-            t = interleaved({"ours": run_ours, "official": run_official}, reps, device)
-            from torch.utils.flop_counter import FlopCounterMode
+            flops = {}
 
-            with FlopCounterMode(display=False) as counter:
-                run_ours()
-            flops = counter.get_total_flops()
-            peak = matmul_peak(dtype, device)
-            print(f"  {name}: ours {t['ours']:.3f} s, official {t['official']:.3f} s, ratio official/ours "
-                  f"{t['official'] / t['ours']:.2f}x; ours {flops / 1e9:.1f} GFLOP -> {flops / t['ours'] / 1e9:.0f} GFLOP/s "
-                  f"= {100 * flops / t['ours'] / peak:.1f}% of the {name} matmul peak ({peak / 1e9:.0f} GFLOP/s)")
+            def counted(label, fn):
+                def run():
+                    start = time.perf_counter()
+                    flops[label] = count_flops(fn)
+                    print(f"    ({name} {label}: warm-up with FLOP counting {time.perf_counter() - start:.1f} s)", flush=True)
+                return run
+
+            try:
+                t = interleaved({"ours": run_ours, "official": run_official}, reps, device,
+                                warmup={"ours": counted("ours", run_ours), "official": counted("official", run_official)})
+            except Exception as exc:  # report the official (or our) failure instead of dying on it
+                print(f"  {name}: FAILED ({type(exc).__name__}: {exc})")
+                traceback.print_exc()
+                continue
+            peak = matmul_peak(dtype, device, args.threads)
+            line = [f"  {name}: ours {t['ours']:.3f} s, official {t['official']:.3f} s, ratio official/ours "
+                    f"{t['official'] / t['ours']:.2f}x"]
+            for side in ("ours", "official"):
+                share = share_of_peak(flops[side], t[side], peak)
+                line.append(f"{side} {flops[side] / 1e9:.1f} GFLOP -> {flops[side] / t[side] / 1e9:.1f} GFLOP/s "
+                            f"= {100 * share:.1f}% of the {name} matmul peak ({peak:.0f} GFLOP/s)")
+            print(";\n    ".join(line), flush=True)
     print(f"load average at the end {os.getloadavg()}")
 
 
