@@ -310,3 +310,34 @@ def test_csv_and_tensorboard_loggers_write_beside_jsonl(tmp_path):
         TrainConfig(loggers=["csv"])
     with pytest.raises(ValueError, match="unknown logger"):
         TrainConfig(loggers=["jsonl", "wandb"])
+
+
+def test_trainer_does_not_log_lightnings_precision_notice_but_keeps_other_messages():
+    """Lightning logs "Using bfloat16 Automatic Mixed Precision (AMP)" per Fabric, i.e. per Trainer;
+    a run builds dozens. The notice is dropped while the Trainer builds its Fabric; the logger's
+    other messages still pass, and the filter does not outlive the construction."""
+    import logging
+
+    from domainfm.engine import TrainConfig, Trainer
+
+    logger = logging.getLogger("lightning_fabric.utilities.rank_zero")
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep(level=logging.DEBUG)
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        trainer = Trainer(TrainConfig(precision="bf16-mixed", accelerator="cpu", progress=False))
+        assert trainer.precision == "bf16-mixed"
+        assert not any("Automatic Mixed Precision" in m for m in seen), seen
+        logger.info("Using bfloat16 Automatic Mixed Precision (AMP)")  # outside the Trainer: not filtered
+        logger.info("another message")
+        assert seen[-2:] == ["Using bfloat16 Automatic Mixed Precision (AMP)", "another message"]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)

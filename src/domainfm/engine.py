@@ -18,8 +18,10 @@ early stopping, a JSONL metrics log and a progress bar. A recipe never writes it
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -361,6 +363,25 @@ class FitResult:
     model: nn.Module | None = None
 
 
+class _DropPrecisionNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Automatic Mixed Precision" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_precision_notice():
+    """Lightning logs "Using bfloat16 Automatic Mixed Precision (AMP)" each time a Fabric is built,
+    i.e. once per Trainer (a fine-tuning run builds dozens: arms, seeds, probes, evaluation). The
+    precision is recorded in each run's report instead; other Lightning messages pass."""
+    logger = logging.getLogger("lightning_fabric.utilities.rank_zero")
+    notice = _DropPrecisionNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
 class Trainer:
     """Runs a :class:`Recipe` under a :class:`TrainConfig` and writes everything to ``run_dir``.
 
@@ -377,14 +398,15 @@ class Trainer:
             from domainfm.precision import resolve_precision
 
             self.precision = resolve_precision(self.config.precision, _accelerator_device(self.config.accelerator))
-            fabric = Fabric(
-                accelerator=self.config.accelerator,
-                strategy=self.config.strategy,
-                devices=self.config.devices,
-                num_nodes=self.config.num_nodes,
-                precision=self.precision,
-                loggers=_fabric_loggers(self.config.loggers, self.run_dir),
-            )
+            with _without_precision_notice():
+                fabric = Fabric(
+                    accelerator=self.config.accelerator,
+                    strategy=self.config.strategy,
+                    devices=self.config.devices,
+                    num_nodes=self.config.num_nodes,
+                    precision=self.precision,
+                    loggers=_fabric_loggers(self.config.loggers, self.run_dir),
+                )
             if fabric.world_size > 1 and not getattr(fabric, "_launched", False):
                 # Under torchrun this only joins the process group; otherwise Fabric spawns
                 # the other processes itself.

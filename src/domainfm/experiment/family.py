@@ -490,6 +490,7 @@ class Family:
         model.eval()
         recipe.model = model
         eval_trainer = Trainer(dataclasses.replace(train_cfg, progress=False), run_dir=None)
+        result["precision"] = eval_trainer.precision  # what train.precision (e.g. auto) resolved to
         derived: dict[str, Any] = {}
         if setup and cfg.adapt.interpolations:
             # before the LoRA merge: with adapters, interpolation is scaling their delta
@@ -558,6 +559,8 @@ class Family:
         cache: dict = {}
         for arm in cfg.arms:
             reason = self.robust_skip_reason(cfg, arm, stage_reports) if adapt.robust else None
+            if reason is None and adapt.robust and task.train is None:
+                reason = "the task has no training data: nothing is fine-tuned"
             if reason is not None:
                 skipped[arm] = reason
             eligible = adapt.robust and reason is None
