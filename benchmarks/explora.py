@@ -208,6 +208,14 @@ def build_pair(args):
         missing, unexpected = model.load_state_dict(state, strict=False)
         if unexpected or set(missing) - {"mask_token"}:
             raise RuntimeError(f"{name}: weights do not line up: missing {missing}, unexpected {unexpected}")
+    # the very same per-block rates (timm keeps them in float32, DINOv2 in float64: at some batch
+    # sizes int(B * (1 - rate)) would then differ by one sample and the two would do unequal work)
+    for ob, mb in zip(official.blocks, ours.blocks):
+        rate = float(mb.drop_path1.drop_prob) if hasattr(mb.drop_path1, "drop_prob") else 0.0
+        ob.sample_drop_ratio = rate
+        for dp in (ob.drop_path1, ob.drop_path2):
+            if hasattr(dp, "drop_prob"):
+                dp.drop_prob = rate
     for m in before.modules():
         if isinstance(m, LoraLayer):
             m.fuse_chunks = False
