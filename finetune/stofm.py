@@ -212,6 +212,19 @@ def cell_logits(model, x):
 class CellRecipe(SupervisedRecipe):
     """The shared multiclass recipe, with macro-F1 added to its metric set."""
 
+    def per_sample_loss(self, model, batch) -> torch.Tensor:
+        """One loss per *sub-slice* (the dataset item FLOW weights): the mean loss of its labelled
+        cells, ``(B,)``. FLOW's paper weights training examples; here an example is a sub-slice,
+        the unit the data loader draws (a per-cell weight would need per-token weights in the
+        weighted dataset). The step's loss is the mean over all labelled cells of the batch, so
+        the two means agree when every sub-slice has the same number of labelled cells."""
+        x, y = batch
+        per_cell = self._loss(self.forward_fn(model, x), y, reduction="none").reshape(len(y))
+        owner = (x["labels"] != -100).nonzero()[:, 0]  # row-major, the order cell_logits selects in
+        n = x["labels"].shape[0]
+        total = per_cell.new_zeros(n).index_add(0, owner, per_cell)
+        return total / torch.bincount(owner, minlength=n).clamp(min=1).to(per_cell.dtype)
+
     def metrics(self, outputs):
         from sklearn.metrics import f1_score
 

@@ -117,16 +117,7 @@ def _finetune(tmp_path, family, overrides, name="robust"):
     return run, json.loads((run / "report.json").read_text())
 
 
-# SToFM's fine-tuning samples are sub-slices (dataset items) but CellRecipe.per_sample_loss (the
-# shared SupervisedRecipe's) returns one loss per labelled cell, so FLOW's pretrained losses have
-# the wrong length (robust.per_sample_losses: "returned (N_cells,) losses over N_subslices samples").
-# Strict: once finetune/stofm.py gives CellRecipe a per-sub-slice (or per-cell-weighted) loss, this
-# xfail fails and must be removed, and the full checks below then run on SToFM too.
-STOFM_FLOW = pytest.mark.xfail(strict=True, raises=ValueError,
-                               reason="CellRecipe.per_sample_loss returns per-cell losses, FLOW weights dataset items")
-
-
-@pytest.mark.parametrize("family", [pytest.param(f, marks=STOFM_FLOW) if f == "stofm" else f for f in FAMILIES])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_flow_and_wise_through_the_cli(family, tmp_path):
     run, report = _finetune(tmp_path, family, FAMILIES[family](tmp_path))
     metric = report["retained_capability"]["metric"]
@@ -184,9 +175,6 @@ def test_fim_zero_shot_default_skips_the_robust_arms_with_the_reason(tmp_path):
     assert arm["retained"] == arm["retained_before"] == report["retained_before"]  # nothing trained, nothing lost
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="robust_skip_reason does not look at the task: FIM's demo task has no training data "
-                          "(task.train is None), so FLOW's pretrained losses are asked of no dataset")
 def test_fim_embedded_demo_has_nothing_to_fine_tune_so_the_robust_arms_are_skipped(tmp_path):
     # the embedded default's data (data.kind=demo) are scoring cases only; adapt.mode=full then
     # trains nothing, and FLOW / WiSE have no fine-tuned model to weight or interpolate
@@ -194,3 +182,4 @@ def test_fim_embedded_demo_has_nothing_to_fine_tune_so_the_robust_arms_are_skipp
                  f"model.pretrained={_saved(tmp_path, 'fim-imputation-test')}", "adapt.mode=full"]
     _, report = _finetune(tmp_path, "fim", overrides, name="demo")
     assert list(report["arms"]) == ["pretrained"] and "pretrained" in report["robust"]["skipped_arms"]
+    assert "no training data" in report["robust"]["skipped_arms"]["pretrained"]

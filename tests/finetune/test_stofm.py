@@ -121,3 +121,35 @@ def test_cli_lora_finetune_with_a_pretraining_stage(tmp_path, tissue):
     assert "stage" in report["arms"]["pretrained"]["init"] and "random" in report["arms"]["random"]["init"]
     model = domainfm.create_model(tmp_path / "stofm" / "r" / "pretrained" / "model")
     assert model.head[-1].out_features == 4
+
+
+def test_cell_recipe_per_sample_loss_is_the_mean_over_each_subslices_labelled_cells():
+    """FLOW weights dataset items; SToFM's items are sub-slices holding many labelled cells, so the
+    per-sample loss is each sub-slice's mean cell loss (by hand), and with equal counts the mean of
+    the per-sample losses is the step's loss."""
+    import torch.nn.functional as F
+
+    from domainfm.finetune.stofm import CellRecipe
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 4, generator=g)
+    labels = torch.full((3, 5), -100)
+    labels[0, [0, 2]] = torch.tensor([1, 3])
+    labels[1, [1]] = torch.tensor([0])
+    labels[2, [0, 1, 4]] = torch.tensor([2, 2, 1])
+    x = {"labels": labels, "logits": logits}
+    y = labels[labels != -100]
+    recipe = CellRecipe(torch.nn.Identity(), None, None, task="multiclass",
+                        forward_fn=lambda model, x: x["logits"][x["labels"] != -100])
+    got = recipe.per_sample_loss(None, (x, y))
+    expected = torch.stack([F.cross_entropy(logits[i][labels[i] != -100], labels[i][labels[i] != -100])
+                            for i in range(3)])
+    assert got.shape == (3,)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    same = torch.full((3, 5), -100)  # two labelled cells in every sub-slice
+    same[0, [0, 2]] = torch.tensor([1, 3])
+    same[1, [1, 2]] = torch.tensor([0, 1])
+    same[2, [0, 4]] = torch.tensor([2, 1])
+    step = F.cross_entropy(logits[same != -100], same[same != -100])
+    per = recipe.per_sample_loss(None, ({"labels": same, "logits": logits}, same[same != -100]))
+    torch.testing.assert_close(per.mean(), step, rtol=1e-6, atol=1e-7)
