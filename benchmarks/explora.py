@@ -74,6 +74,7 @@ def _backbone(args, **kw):
 
 def step_benchmark(args, adapter: bool) -> dict:
     from domainfm import lora
+    from domainfm.precision import autocast
     from domainfm.pretrain import explora as E
 
     torch.manual_seed(0)
@@ -89,11 +90,10 @@ def step_benchmark(args, adapter: bool) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.04)
     crops = [torch.randn(args.batch, 3, args.img, args.img, device=device) for _ in range(2)]
     crops += [torch.randn(args.batch, 3, args.local, args.local, device=device) for _ in range(args.n_local)]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
     counter = {"step": 0}
 
     def one_step():
-        with autocast:
+        with autocast(args.precision if args.precision != "both" else "auto", device):  # domainfm.precision's rule
             loss, _ = recipe.step(pt, crops)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 3.0)
@@ -127,6 +127,7 @@ def inference_benchmark(args) -> dict:
     import copy
 
     from domainfm import lora
+    from domainfm.precision import autocast
 
     torch.manual_seed(0)
     device = args.device
@@ -142,16 +143,22 @@ def inference_benchmark(args) -> dict:
             if "lora_B" in n:
                 p.normal_(0, 0.01)
     x = torch.randn(args.batch, 3, args.img, args.img, device=device)
-    res = {"plain_vit_s": _timed(lambda: plain(x), args.reps, device)}
-    res["lora_unmerged_s"] = _timed(lambda: adapted(x), args.reps, device)
-    reference = adapted(x)
+    precision = args.precision if args.precision != "both" else "auto"
+
+    def run(model):  # forward under domainfm.precision's rule; merge/unmerge stay outside (fp32)
+        with autocast(precision, device):
+            return model(x).float()
+
+    res = {"plain_vit_s": _timed(lambda: run(plain), args.reps, device)}
+    res["lora_unmerged_s"] = _timed(lambda: run(adapted), args.reps, device)
+    reference = adapted(x)  # exactness of merging is checked in fp32 (bf16 would round the merged weights)
     res["adapter_effect_max_abs"] = float((reference - plain(x)).abs().max())
     lora.merge(adapted)
-    res["lora_merged_s"] = _timed(lambda: adapted(x), args.reps, device)
+    res["lora_merged_s"] = _timed(lambda: run(adapted), args.reps, device)
     res["merged_max_abs_diff"] = float((adapted(x) - reference).abs().max())
     lora.unmerge(adapted)
     lora.merge(adapted, unload=True)
-    res["lora_merged_unloaded_s"] = _timed(lambda: adapted(x), args.reps, device)
+    res["lora_merged_unloaded_s"] = _timed(lambda: run(adapted), args.reps, device)
     res["unloaded_same_module_types"] = [type(m).__name__ for m in adapted.modules()] == [type(m).__name__ for m in plain.modules()]
     return res
 
@@ -364,8 +371,11 @@ def main(argv=None) -> int:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         results[part] = json.loads(out)
     e, f, i = results["explora"], results["full"], results["inference"]
+    from domainfm.precision import resolve_precision
+
     print(f"ExPLoRA benchmark: {SIZES[args.size]} img {args.img}, batch {args.batch} x (2 global + {args.n_local} "
-          f"local {args.local}px), {args.prototypes} prototypes, device {args.device}, threads {torch.get_num_threads()}")
+          f"local {args.local}px), {args.prototypes} prototypes, device {args.device}, threads {torch.get_num_threads()}, "
+          f"precision {resolve_precision(args.precision if args.precision != 'both' else 'auto', args.device)}")
     mem_key = "peak_MiB" if "peak_MiB" in e else "peak_rss_MiB"
     print(f"{'':28s}{'ExPLoRA':>16s}{'full':>16s}{'ratio':>10s}")
     for key in ("trainable_backbone", "trainable_all", "step_s", "grad_plus_adamw_state_MiB", mem_key):
@@ -376,7 +386,7 @@ def main(argv=None) -> int:
     print("inference (median s / forward):")
     for key in ("plain_vit_s", "lora_unmerged_s", "lora_merged_s", "lora_merged_unloaded_s"):
         print(f"  {key:26s}{i[key]:.4f}  ({i[key] / i['plain_vit_s']:.3f} x plain)")
-    print(f"  merged vs unmerged max |diff|: {i['merged_max_abs_diff']:.2e} (adapter changes outputs by up to "
+    print(f"  merged vs unmerged max |diff| (fp32): {i['merged_max_abs_diff']:.2e} (adapter changes outputs by up to "
           f"{i['adapter_effect_max_abs']:.2e}); unloaded model has the plain "
           f"ViT's module types: {i['unloaded_same_module_types']}")
     return 0
