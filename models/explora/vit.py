@@ -10,6 +10,13 @@ Fine-tuning follows the paper (MAE-style): global average pooling over patch tok
 ``fc_norm`` LayerNorm before the linear head (``global_pool="avg"``); pretraining and linear
 probing use the class token (``global_pool="token"``, the timm default for DINOv2).
 
+Speed (issue 15; parameters, keys and eval outputs are timm's exactly): the blocks are
+:class:`SubsetDropPathBlock`, whose stochastic depth above rate 0.1 runs each residual branch on
+the kept samples only (DINOv2's "efficient stochastic depth", :func:`drop_add_residual`), and whose
+attention on CPU in bf16 takes timm's plain matmul + softmax form instead of the CPU flash kernel.
+LoRA on q and v of the fused ``qkv`` uses :class:`~domainfm.lora.LoraLayer`'s fused path.
+Measured side by side with DINOv2's own ViT by ``benchmarks/explora.py --official``.
+
 **Shapes:** ``forward(x)``: ``(B, 3, H, W) -> (B, n_outputs)`` (``n_outputs=0``: pooled
 features ``(B, num_features)``); ``forward_features(x) -> (B, 1 + n_reg + N, D)``.
 """
