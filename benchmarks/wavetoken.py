@@ -15,6 +15,10 @@ tokenizer (256 series x 512, encode, 1 thread), predict (batch 32, context 512, 
 under ``domainfm.precision.autocast("bf16-mixed")``), and each side's share of the measured matmul peak
 (``benchmarks/_peak.py``: FLOPs of one predict call of each side from ``torch.utils.flop_counter``,
 counted during the warm-up call).
+
+On a machine other processes share, more OpenMP threads than idle cores is pathological (a thread
+preempted mid-matmul stalls the others at every barrier: a 40 x 256 matmul measured 40x slower with
+2 threads than with 1 at a load average of 10 on 2 cores); use ``--threads 1`` there and say so.
 """
 from __future__ import annotations
 
