@@ -63,21 +63,26 @@ def test_model_tokenization_and_training_tokens_precision_independent(name):
         assert torch.equal(a, b)
 
 
-def test_pretrain_recipe_loss_under_bf16_uses_fp32_tokens():
-    # the pretraining recipe's labels under autocast are the fp32 labels: its token accuracy
-    # counts the same positions and the same targets
+def test_pretrain_recipe_under_bf16_feeds_the_network_fp32_tokens():
+    # the pretraining recipe tokenizes inside the engine's autocast with no guard of its own: the
+    # network must receive the fp32 tokens (context ids, mask, shifted labels) and be scored on them
     from domainfm.pretrain.wavetoken import ForecastRecipe
 
     torch.manual_seed(0)
     model = domainfm.create_model("wavetoken-test").train()
     context, future = _series(), _series(seed=1)[:, :16]
-    recipe = ForecastRecipe(model, None)
-    _, _, ref_total = recipe._loss(model, (context, future))
     ids, mask, labels = model.training_tokens(context, future)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, correct, total = recipe._loss(model, (context, future))
-    assert torch.equal(total, ref_total) and int(total) == int((labels != -100).sum())
-    assert torch.isfinite(loss)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda module, args: seen.append(args))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, correct, total = ForecastRecipe(model, None)._loss(model, (context, future))
+    finally:
+        hook.remove()
+    got_ids, got_mask, got_decoder = seen[0]
+    assert torch.equal(got_ids, ids) and torch.equal(got_mask, mask)
+    assert torch.equal(got_decoder, model.shift_right(labels))
+    assert int(total) == int((labels != -100).sum()) and torch.isfinite(loss)
 
 
 def test_bf16_predict_keeps_float32_values_and_scale():
