@@ -516,13 +516,32 @@ def dawin_scores(trainer, recipe, dataset, interpolator, *, components: int = 3,
     logits = lambda m, b: {"logits": recipe.logits(m, b).float()}
     pre = collect(trainer, recipe, dataset, interpolator.set(0.0), logits)["logits"]
     ft = collect(trainer, recipe, dataset, interpolator.set(1.0), logits)["logits"]
-    lam = dawin_lambda(pre, ft)
-    mixture = fit_beta_mixture(lam.numpy(), k=components, seed=seed)
     n = len(dataset)
+    lam = dawin_lambda(pre, ft)
+    valid = np.ones(n, dtype=bool)
+    if lam.shape[0] != n:
+        # items holding several predictions (SToFM: a sub-slice's cells, which attend to each other,
+        # so one item is predicted by one merged model): an item's lambda is the mean of its rows'
+        per_item = getattr(recipe, "logits_per_item", None)
+        if not callable(per_item):
+            raise ValueError(f"{type(recipe).__name__}.logits gave {lam.shape[0]} rows for {n} samples; a recipe whose "
+                             "items hold several predictions needs logits_per_item(batch) -> Tensor[B] (rows per item)")
+        counts = collect(trainer, recipe, dataset, interpolator.set(1.0),
+                         lambda m, b: {"n": torch.as_tensor(per_item(b)).reshape(-1)})["n"].long().cpu()
+        if counts.shape != (n,) or int(counts.sum()) != lam.shape[0]:
+            raise ValueError(f"{type(recipe).__name__}.logits_per_item: {tuple(counts.shape)} counts summing to "
+                             f"{int(counts.sum())}, expected {n} counts summing to {lam.shape[0]} logit rows")
+        owner = torch.repeat_interleave(torch.arange(n), counts)
+        lam = torch.zeros(n, dtype=lam.dtype).index_add(0, owner, lam) / counts.clamp(min=1).to(lam.dtype)
+        valid = counts.numpy() > 0  # an item without predictions plays no part in the mixture
+    mixture = fit_beta_mixture(lam.numpy()[valid], k=components, seed=seed)
+    assignment = np.full(n, -1)
+    assignment[valid] = mixture.assignment
+    lam = lam[torch.as_tensor(valid)]
     pieces: list[dict[str, torch.Tensor]] = []
     order = []
     for c, mean in enumerate(mixture.means):
-        idx = np.flatnonzero(mixture.assignment == c)
+        idx = np.flatnonzero(assignment == c)
         if idx.size == 0:
             continue
         model = interpolator.set(float(mean))
@@ -532,11 +551,15 @@ def dawin_scores(trainer, recipe, dataset, interpolator, *, components: int = 3,
         order.append(idx)
     interpolator.restore()
     positions = torch.as_tensor(np.concatenate(order))
-    inverse = torch.empty_like(positions)
-    inverse[positions] = torch.arange(n)
+    m = len(positions)
+    inverse = torch.empty(n, dtype=torch.long)
+    inverse[positions] = torch.arange(m)
+    inverse = inverse[torch.as_tensor(assignment >= 0)]
     outputs = {}
     for key in pieces[0]:
         value = torch.cat([p[key] for p in pieces])
-        outputs[key] = value[inverse] if value.shape[0] == n else value  # per-sample outputs back in order
+        # per-sample outputs back in dataset order; per-row outputs (several per item) stay grouped
+        # by component, the same order for every key, which is all the metrics need
+        outputs[key] = value[inverse] if value.shape[0] == m else value
     return {"metrics": {k: float(v) for k, v in recipe.metrics(outputs).items()}, "mixture": mixture.to_dict(),
             "lambda_mean": float(lam.mean())}

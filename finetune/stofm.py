@@ -225,6 +225,12 @@ class CellRecipe(SupervisedRecipe):
         total = per_cell.new_zeros(n).index_add(0, owner, per_cell)
         return total / torch.bincount(owner, minlength=n).clamp(min=1).to(per_cell.dtype)
 
+    def logits_per_item(self, batch) -> torch.Tensor:
+        """How many of :meth:`logits`' rows each sub-slice holds (its labelled cells): DaWin weighs
+        a sub-slice, whose cells attend to each other, by the mean lambda of its cells."""
+        x, _ = batch
+        return (x["labels"] != -100).sum(1)
+
     def metrics(self, outputs):
         from sklearn.metrics import f1_score
 

@@ -217,3 +217,83 @@ def test_flow_recipe_weights_each_batch_by_its_samples():
 
     with pytest.raises(TypeError, match="family 'toy'.*NoLoss.*per_sample_loss"):
         R.FlowRecipe(NoLoss(), w, family="toy")
+
+
+class _RowsDataset(torch.utils.data.Dataset):
+    """Items holding several predictions each (like SToFM's sub-slices of cells)."""
+
+    def __init__(self, n_items=40, d=5, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for i in range(n_items):
+            k = int(torch.randint(0 if i == 3 else 1, 5, (1,), generator=g))  # item 3 may hold no rows
+            x = torch.randn(k, d, generator=g)
+            self.items.append((x, (x[:, 0] > 0).long()))
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def _rows_collate(items):
+    return (torch.cat([x for x, _ in items]), torch.tensor([len(x) for x, _ in items])), torch.cat([y for _, y in items])
+
+
+class _RowsRecipe:
+    def __init__(self, model):
+        self.model, self.collate_fn, self.eval_collate_fn, self.val_dataset = model, _rows_collate, _rows_collate, None
+
+    def logits(self, model, batch):
+        (x, _), _ = batch
+        return model(x)
+
+    def logits_per_item(self, batch):
+        (_, counts), _ = batch
+        return counts
+
+    def eval_step(self, model, batch):
+        (x, _), y = batch
+        return {"scores": model(x).float(), "target": y}
+
+    def metrics(self, outputs):
+        return {"accuracy": float((outputs["scores"].argmax(-1) == outputs["target"]).float().mean()),
+                "n": float(len(outputs["target"]))}
+
+
+def test_dawin_on_items_with_several_predictions_matches_a_direct_computation():
+    """DaWin where one dataset item carries several predictions (SToFM's sub-slices): an item's
+    lambda is the mean of its rows' lambdas, the mixture is fitted on items (empty items left out),
+    each component's merged model predicts its items' rows; compared with a direct computation."""
+    from domainfm.engine import TrainConfig, Trainer
+
+    torch.manual_seed(0)
+    pre_model, ft_model = torch.nn.Linear(5, 2), torch.nn.Linear(5, 2)
+    data = _RowsDataset()
+    interp = R.StateInterpolator(ft_model, pre_model.state_dict())
+    trainer = Trainer(TrainConfig(batch_size=7, accelerator="cpu", precision="32-true", progress=False))
+    res = R.dawin_scores(trainer, _RowsRecipe(ft_model), data, interp, components=2, seed=0)
+
+    counts = torch.tensor([len(x) for x, _ in data.items])
+    x = torch.cat([x for x, _ in data.items])
+    y = torch.cat([y for _, y in data.items])
+    with torch.no_grad():
+        lam_rows = R.dawin_lambda(pre_model(x), ft_model(x))
+    owner = torch.repeat_interleave(torch.arange(len(data)), counts)
+    valid = counts > 0
+    lam_items = torch.stack([lam_rows[owner == i].mean() for i in range(len(data)) if valid[i]])
+    mixture = R.fit_beta_mixture(lam_items.numpy(), k=2, seed=0)
+    item_component = torch.full((len(data),), -1)
+    item_component[valid] = torch.as_tensor(mixture.assignment)
+    correct = 0
+    for c, mean in enumerate(mixture.means):
+        rows = item_component[owner] == c
+        w = {k: (1 - mean) * pre_model.state_dict()[k] + mean * ft_model.state_dict()[k] for k in ("weight", "bias")}
+        pred = (x[rows] @ w["weight"].T + w["bias"]).argmax(-1)
+        correct += int((pred == y[rows]).sum())
+    assert res["metrics"]["n"] == len(y)
+    assert res["metrics"]["accuracy"] == pytest.approx(correct / len(y), abs=1e-6)  # float32 mean
+    assert res["lambda_mean"] == pytest.approx(float(lam_items.mean()), abs=1e-6)
+    # the interpolator is back at the fine-tuned weights
+    assert torch.equal(ft_model.weight, interp.finetuned["weight"])
