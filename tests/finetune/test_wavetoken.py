@@ -333,7 +333,7 @@ def test_bf16_forecasts_stay_within_the_documented_tolerance_of_fp32(saved_model
     from domainfm.precision import autocast
 
     _, test = T.split_by_time(T.load_sample(), 12, min_context=2)
-    ev = W.EvalSection(num_samples=20, seed=0)
+    ev = W.EvalSection(num_samples=100, seed=0)  # 20 samples: the ratio is mostly sampling noise
     levels = W._with_median(ev.quantile_levels)
     for name, folder in saved_models.items():
         model = create_model(folder).eval()
