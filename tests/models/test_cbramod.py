@@ -130,8 +130,13 @@ def test_matches_official_forward_to_1e5(official, shape):
     assert (unmasked - got_rec).abs().max() > 1e-2
 
 
-def test_train_mode_gradients_match_reference_without_dropout():
-    # with dropout off, train-mode gradients agree with the reference's too (fp64 for exactness)
+@pytest.mark.parametrize("short", [False, True], ids=["sdpa", "short-attention"])
+def test_train_mode_gradients_match_reference_without_dropout(monkeypatch, short):
+    # with dropout off, train-mode gradients agree with the reference's too (fp64 for exactness),
+    # through SDPA and through the short-sequence attention (otherwise chosen for bf16 on CPU only)
+    from domainfm.models.cbramod import _fast
+
+    monkeypatch.setattr(_fast, "use_short_attention", lambda *a: short)
     ref, sd = _official_state_dict(n_layers=2, ffn=64, seed=3)
     model = CBraMod(n_layers=2, dim_feedforward=64, dropout=0.0)
     model.load_state_dict(convert_official_state_dict(sd, model))
