@@ -379,32 +379,19 @@ def _user_error_types() -> tuple[type, ...]:
     from domainfm.config import ConfigError
     from domainfm.engine import ResumeError
     from domainfm.experiment import RunFolderError, WeightsUnavailable
+    from domainfm.precision import PrecisionError
     from domainfm.zoo import UnknownModelError
 
     return (ConfigError, RunFolderError, ResumeError, WeightsUnavailable, hub.HubError, FileNotFoundError,
-            UnknownModelError)
-
-
-def _raised_in(exc: BaseException, function) -> bool:
-    """Whether ``exc`` was raised by ``function`` itself (its innermost frame)."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code is function.__code__
+            UnknownModelError, PrecisionError)
 
 
 def is_user_error(exc: BaseException) -> bool:
     """Errors about the user's input (config, data, weights, run folder, model name, precision):
     reported in one line, not as a traceback. Data errors are the ``ValueError`` subclasses the
-    data loaders define; a precision no one accepts is the ``ValueError`` of
-    :func:`domainfm.precision.resolve_precision`."""
+    data loaders define; a precision no one accepts is :class:`domainfm.precision.PrecisionError`."""
     if isinstance(exc, _user_error_types()):
         return True
-    if type(exc) is ValueError:
-        from domainfm.precision import resolve_precision
-
-        if _raised_in(exc, resolve_precision):
-            return True
     return isinstance(exc, ValueError) and any(
         c.__module__.startswith(("domainfm.data_loaders", "data_loaders")) for c in type(exc).__mro__
         if issubclass(c, ValueError) and c is not ValueError)

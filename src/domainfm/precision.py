@@ -15,10 +15,14 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["PRECISIONS", "bf16_native", "resolve_precision", "autocast", "autocast_dtype"]
+__all__ = ["PRECISIONS", "PrecisionError", "bf16_native", "resolve_precision", "autocast", "autocast_dtype"]
 
 #: what ``precision`` may say (Lightning Fabric's names, plus ``auto``)
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "64-true")
+
+
+class PrecisionError(ValueError):
+    """A precision no entry point accepts (from a config, ``--precision`` or ``DOMAINFM_PRECISION``)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,7 +51,7 @@ def resolve_precision(precision: str | None, device: str | torch.device = "cpu")
     if precision in (None, "auto"):
         precision = os.environ.get("DOMAINFM_PRECISION") or "auto"
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+        raise PrecisionError(f"precision={precision!r}: expected one of {PRECISIONS}")
     if precision == "auto":
         return "bf16-mixed" if bf16_native(device) else "32-true"
     return precision
