@@ -214,9 +214,9 @@ class Family:
     def _head_names(self, cfg, task: TaskData) -> str | Sequence[str]:
         return self.head(cfg, task) if callable(self.head) else self.head
 
-    def robust_skip_reason(self, cfg, arm: str, stage_reports: list[dict[str, Any]]) -> str | None:
+    def robust_skip_reason(self, cfg, arm: str, stage_reports: list[dict[str, Any]], task: TaskData) -> str | None:
         """Why FLOW / WiSE / DaWin do not apply to ``arm`` (``None`` when they do): they need an arm
-        that starts from pretrained weights and trains its backbone."""
+        that starts from pretrained weights and trains its backbone on the task's training data."""
         init_kind, _, arm_mode = arm.partition(":")
         mode = arm_mode or cfg.adapt.mode
         if init_kind == "random":
@@ -225,6 +225,8 @@ class Family:
             return "no pretrained weights (model.pretrained is null and there is no stage)"
         if mode in ("none", "linear_probe"):
             return f"adapt.mode={mode} does not fine-tune the backbone"
+        if task.train is None:
+            return "the task has no training data: nothing is fine-tuned"
         return None
 
     def _probe_applies(self, cfg, task: TaskData, model: nn.Module) -> bool:
@@ -558,9 +560,7 @@ class Family:
         wise_curve: dict[str, list[dict[str, Any]]] = {}
         cache: dict = {}
         for arm in cfg.arms:
-            reason = self.robust_skip_reason(cfg, arm, stage_reports) if adapt.robust else None
-            if reason is None and adapt.robust and task.train is None:
-                reason = "the task has no training data: nothing is fine-tuned"
+            reason = self.robust_skip_reason(cfg, arm, stage_reports, task) if adapt.robust else None
             if reason is not None:
                 skipped[arm] = reason
             eligible = adapt.robust and reason is None
