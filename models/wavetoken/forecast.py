@@ -79,12 +79,19 @@ def _sample_top_k(logits: torch.Tensor, u: torch.Tensor, *, temperature: float, 
     keep = values >= kth  # the k largest and their ties (dividing by temperature keeps the order)
     index, order = index.sort(dim=-1)  # token-id order, the order the CDF is inverted in
     values = values.float().gather(-1, order).masked_fill_(~keep.gather(-1, order), float("-inf"))
-    values = filter_logits(values, temperature=temperature, top_p=top_p)
-    cdf = values.softmax(-1).cumsum_(-1)
+    choice = _invert_cdf(filter_logits(values, temperature=temperature, top_p=top_p), u)
+    return index.gather(-1, choice)[:, 0]
+
+
+def _invert_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(N, 1) column of the first token whose softmax CDF (in column order) exceeds ``u * total``,
+    from filtered (N, V) float logits and (N,) uniforms."""
+    cdf = logits.softmax(-1).cumsum_(-1)
     total = cdf[:, -1:].contiguous()
     choice = torch.searchsorted(cdf, u[:, None] * total, right=True)
-    choice = torch.minimum(choice, torch.searchsorted(cdf, total))
-    return index.gather(-1, choice)[:, 0]
+    # searchsorted can land past the last token of positive probability only through round-off
+    # at the top (u * total rounding to total): cap it at that token (the first reaching total)
+    return torch.minimum(choice, torch.searchsorted(cdf, total))
 
 
 def _series_key(row: torch.Tensor) -> int:
@@ -258,13 +265,7 @@ class TokenForecaster(T5EncoderDecoder):
             choice = _sample_top_k(logits, u, temperature=temperature, top_k=top_k, top_p=top_p)
             if choice is not None:
                 return choice + n_special
-        logits = filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p)
-        cdf = logits.softmax(-1).cumsum_(-1)
-        total = cdf[:, -1:].contiguous()
-        choice = torch.searchsorted(cdf, u[:, None] * total, right=True)
-        # searchsorted can land past the last token of positive probability only through round-off
-        # at the top (u * total rounding to total): cap it at that token (the first reaching total)
-        choice = torch.minimum(choice, torch.searchsorted(cdf, total))
+        choice = _invert_cdf(filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p), u)
         return choice[:, 0] + n_special
 
     def _uniforms(self, context: torch.Tensor, seed: int, chunk: int, num_samples: int, num_tokens: int) -> torch.Tensor:

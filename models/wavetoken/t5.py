@@ -29,6 +29,12 @@ __all__ = ["relative_position_bucket", "RMSNorm", "Attention", "Block", "Stack",
 #: device types torch autocast knows (the meta device, used to build large models without memory, has none)
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla")
 
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (False for device types autocast does not know)."""
+    return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
+
+
 def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool, num_buckets: int = 32,
                              max_distance: int = 128) -> torch.Tensor:
     """T5's bucket of ``relative_position = key_position - query_position``.
@@ -136,7 +142,7 @@ class Attention(nn.Module):
             k, v = kv
             kt = k.transpose(-1, -2)
             device = q.device.type
-            if device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
+            if _autocast_on(device):
                 # computed in the cache's dtype with autocast off: autocast would cast a float32
                 # cache to bf16 at every step, and return the softmax of bf16 scores in float32
                 # (a copy back to bf16 per step); the bf16 softmax kernel accumulates in float32
@@ -321,7 +327,7 @@ class T5EncoderDecoder(nn.Module):
         h = self.shared(input_ids)
         length = input_ids.shape[1]
         bias = self.encoder.position_bias(length, length, device=h.device).to(h.dtype) + _mask_bias(attention_mask.bool(), h.dtype)
-        if h.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(h.device.type):  # cast the (B, H, L, L) bias once, not in every layer
+        if _autocast_on(h.device.type):  # cast the (B, H, L, L) bias once, not in every layer
             bias = bias.to(torch.get_autocast_dtype(h.device.type))
         return self.encoder(h, bias)
 
@@ -337,11 +343,10 @@ class T5EncoderDecoder(nn.Module):
         cross_bias = _mask_bias(attention_mask.bool(), h.dtype)
         return self.decoder(h, self_bias, encoder_states=encoder_states, cross_bias=cross_bias)
 
-    def new_cache(self, encoder_states: torch.Tensor, max_length: int, *, repeat: int = 1,
-                  shared: bool = False) -> KVCache:
+    def new_cache(self, encoder_states: torch.Tensor, max_length: int, *, repeat: int = 1) -> KVCache:
         """A cache for ``max_length`` decoder steps; cross-attention keys/values are projected once
         from ``encoder_states`` (B, L, d). ``repeat`` decoder rows per encoder row (for samples):
-        copied ``repeat`` times, or with ``shared=True`` kept once and broadcast (``cache.group``).
+        copied ``repeat`` times (:meth:`KVCache.expand` instead shares them by broadcasting).
         Self-attention buffers are float32 (see :class:`KVCache`); cross-attention keys/values stay
         in the projections' dtype (the autocast dtype under autocast)."""
         cache = KVCache(len(self.decoder.blocks))
@@ -351,14 +356,12 @@ class T5EncoderDecoder(nn.Module):
         for i, block in enumerate(self.decoder.blocks):
             # contiguous (B, H, L, d_kv): batched matmuls then read K^T and V without a copy per step
             k, v = (x.contiguous() for x in block.cross_attn.project_kv(encoder_states))
-            if repeat > 1 and not shared:
+            if repeat > 1:
                 k, v = k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0)
             cache.cross_k[i], cache.cross_v[i] = k, v
             shape = (b, block.self_attn.num_heads, max_length, block.self_attn.d_kv)
             cache.self_k[i] = encoder_states.new_zeros(shape, dtype=dtype)
             cache.self_v[i] = encoder_states.new_zeros(shape, dtype=dtype)
-        if shared:
-            cache.group = repeat
         return cache
 
     def decode_step(self, token_ids: torch.Tensor, cache: KVCache, cross_bias: torch.Tensor) -> torch.Tensor:
