@@ -1,6 +1,9 @@
 """CBraMod: official-checkpoint fidelity, the criss-cross split, the positional conv, the surface."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -8,7 +11,9 @@ from torch import nn
 import domainfm
 from domainfm.models.cbramod import CBraMod, convert_official_state_dict, to_official_state_dict
 from domainfm.models.cbramod.cbramod import CrissCrossLayer
-from domainfm.models.cbramod.reference import RefCBraMod
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from _cbramod_weights import random_official_cbramod  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # The reference: domainfm.models.cbramod.reference, a plain restatement of the official forward
@@ -18,13 +23,7 @@ from domainfm.models.cbramod.reference import RefCBraMod
 
 def _official_state_dict(n_layers=12, ffn=800, seed=0):
     """A random official-format state_dict (norms and biases perturbed too, mask encoding non-zero)."""
-    torch.manual_seed(seed)
-    ref = RefCBraMod(n_layers, ffn)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if p.dim() == 1:
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
-        ref.patch_embedding.mask_encoding.copy_(torch.randn(200) * 0.5)
+    ref = random_official_cbramod(n_layers, ffn, seed)
     return ref, {k: v.clone() for k, v in ref.state_dict().items()}
 
 

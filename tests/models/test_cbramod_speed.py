@@ -9,13 +9,18 @@ model's own bf16 error under bf16 autocast.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from domainfm.models.cbramod import CBraMod, _fast, convert_official_state_dict
-from domainfm.models.cbramod.reference import RefCBraMod
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from _cbramod_weights import random_official_cbramod  # noqa: E402
 
 
 def _explicit_attention(qkv, n_heads):
@@ -149,12 +154,7 @@ def test_linear_keeps_autograd_and_wrapped_modules():
 
 
 def _pair(n_layers=2, ffn=64, seed=0):
-    torch.manual_seed(seed)
-    ref = RefCBraMod(n_layers, ffn)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if p.dim() == 1:
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    ref = random_official_cbramod(n_layers, ffn, seed)
     model = CBraMod(n_layers=n_layers, dim_feedforward=ffn)
     model.load_state_dict(convert_official_state_dict(ref.state_dict(), model))
     return ref.eval(), model.eval()
