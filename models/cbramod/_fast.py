@@ -2,10 +2,18 @@
 
 CBraMod attends over very short sequences (19 channels, 30 patches; head dim 25), where the
 flash-attention CPU kernel behind :func:`torch.nn.functional.scaled_dot_product_attention` spends
-most of its time on per-block bookkeeping. Two plain batched matmuls around an fp32 softmax, over
-all ``sequences x heads`` at once, are faster there (about 2x in bf16 on an AVX-512-BF16 CPU at
-L = 19/30); for long sequences, on GPUs, and in fp32 inference (where the fp32 batched GEMM of
-tiny matrices is no faster than the flash kernel) :func:`scaled_dot_product_attention` stays.
+most of its time on per-block bookkeeping. On CPU, :func:`attention` therefore takes one of two
+batched-matmul paths for sequences up to ``SHORT_SEQUENCE`` tokens (:func:`attention_path`):
+
+- ``"short"`` (half precision, or training with attention dropout): one head-split copy, two
+  batched matmuls over all ``sequences x heads`` around an fp32 softmax (about 2x the flash
+  kernel in bf16 at L = 19/30);
+- ``"packed"`` (fp32 inference): ``torch._transform_bias_rescale_qkv`` (the kernel of
+  ``nn.MultiheadAttention``'s inference fast path, which the official model takes in fp32) adds
+  the in-projection bias, scales q and splits heads in one pass, then the same matmuls. It has no
+  backward, so it is used only without gradients.
+
+Long sequences and GPUs keep :func:`scaled_dot_product_attention`.
 
 The linear layers go through oneDNN's ``mkldnn::_linear_pointwise`` when no gradient is needed
 on CPU (inference): it is 25-40% faster than the BLAS ``addmm`` for these shapes in fp32, fuses
@@ -13,14 +21,16 @@ the bias and the exact (erf) GELU of the feed-forward block into the matmul, and
 residual in the same pass; under bf16 autocast it runs on bf16 weight copies kept across calls.
 The op has no autograd formula, so any grad-enabled call, any module that is not a plain
 ``nn.Linear`` (LoRA, quantised wrappers) and any non-CPU tensor take the ordinary ``module(x)``
-path. In training, dropout masks come from :func:`keep_mask` (CPU ``bernoulli_`` was a quarter
-of the step).
+path. In training, dropout multiplies by exact 0/1 masks in the activation dtype
+(:func:`keep_multiplier`, 16 random bits per element from numpy's SFC64 seeded by torch's
+generator): CPU ``bernoulli_`` and ``torch.where`` on bool masks were a quarter of the step.
 
 All paths compute the official function: fp32 outputs equal the official restatement to 1e-5
 (values and gradients, tests/models/test_cbramod_speed.py). Documented bf16 tolerance: under bf16
 autocast, the features' error against the fp32 official output is at most 1.5x the official
 model's own bf16 error (+0.02 max, +1e-3 mean), since the roundings sit in slightly different
-places (fused bias/GELU/residual, fp32 softmax of bf16 scores).
+places (fused bias/GELU/residual, fp32 softmax of bf16 scores, the fp32 positional convolution
+in training).
 """
 from __future__ import annotations
 
@@ -29,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SHORT_SEQUENCE", "use_short_attention", "attention", "linear", "dropout", "keep_mask", "keep_multiplier"]
+__all__ = ["SHORT_SEQUENCE", "use_short_attention", "attention_path", "attention", "projection_without_bias", "linear", "dropout", "keep_mask", "keep_multiplier"]
 
 #: longest sequence for which :func:`attention` uses batched matmuls instead of SDPA on CPU
 #: (measured crossover with head dim 25: between 128 and 256 tokens in bf16)
@@ -133,7 +143,30 @@ def dropout(x: torch.Tensor, p: float, training: bool, residual: torch.Tensor | 
     return torch.addcmul(residual, x, keep, value=scale)
 
 
-def attention(qkv: torch.Tensor, n_heads: int, dropout_p: float = 0.0, path: str | None = None) -> torch.Tensor:
+_TRANSFORM_QKV = getattr(torch, "_transform_bias_rescale_qkv", None)
+
+
+def attention_path(length: int, dtype: torch.dtype, device: torch.device, dropout_p: float = 0.0) -> str:
+    """The path :func:`attention` takes by default:
+
+    - ``"short"`` when :func:`use_short_attention` says so (CPU, half precision or dropout);
+    - ``"packed"`` for fp32 on CPU with no gradient and at most ``SHORT_SEQUENCE`` tokens:
+      ``torch._transform_bias_rescale_qkv`` (the kernel behind ``nn.MultiheadAttention``'s
+      inference fast path: bias, 1/sqrt(d) scaling of q and the head split in one pass) + two
+      batched matmuls + softmax. At L = 19 / 30 it made the whole fp32 forward 12% faster than
+      the flash kernel (torch 2.14, 2 threads); the op has no backward, hence no-grad only;
+    - ``"sdpa"`` otherwise.
+    """
+    if use_short_attention(length, dtype, device, dropout_p):
+        return "short"
+    if (device.type == "cpu" and length <= SHORT_SEQUENCE and dtype == torch.float32 and dropout_p == 0.0
+            and not torch.is_grad_enabled() and _TRANSFORM_QKV is not None):
+        return "packed"
+    return "sdpa"
+
+
+def attention(qkv: torch.Tensor, n_heads: int, dropout_p: float = 0.0, path: str | None = None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
     """Multi-head self-attention from packed projections.
 
     Args:
@@ -141,8 +174,11 @@ def attention(qkv: torch.Tensor, n_heads: int, dropout_p: float = 0.0, path: str
             ``dim / n_heads``; the layout of ``nn.MultiheadAttention``'s fused ``in_proj``).
         n_heads: heads per block.
         dropout_p: dropout on the attention probabilities (pass 0 in eval mode).
-        path: ``"short"`` (batched matmuls + softmax), ``"sdpa"``, or None to choose by
-            :func:`use_short_attention`.
+        path: ``"short"`` (batched matmuls + softmax), ``"packed"`` (the same after the fused
+            bias / scale / head-split kernel; no gradient), ``"sdpa"``, or None to choose by
+            :func:`attention_path`.
+        bias: ``(3 * dim,)`` in-projection bias not yet added to ``qkv`` (the ``"packed"`` path
+            adds it in its first pass); None when ``qkv`` already includes it.
 
     **Shapes:** ``(S, L, 3 * dim) -> (S, L, dim)``.
     """
@@ -150,7 +186,19 @@ def attention(qkv: torch.Tensor, n_heads: int, dropout_p: float = 0.0, path: str
     dim = width // 3
     head_dim = dim // n_heads
     if path is None:
-        path = "short" if use_short_attention(length, qkv.dtype, qkv.device, dropout_p) else "sdpa"
+        path = attention_path(length, qkv.dtype, qkv.device, dropout_p)
+    if path == "packed":
+        if torch.is_grad_enabled() and qkv.requires_grad:
+            raise RuntimeError("attention path 'packed' has no backward; use 'short' or 'sdpa' with gradients")
+        if bias is None:
+            bias = qkv.new_zeros(width)
+        q, k, v = _TRANSFORM_QKV(qkv.contiguous(), bias.to(qkv.dtype), n_heads)  # (S, H, L, Dh), q scaled
+        scores = torch.bmm(q.view(-1, length, head_dim), k.view(-1, length, head_dim).transpose(1, 2))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs, v.view(-1, length, head_dim)).view(s, n_heads, length, head_dim)
+        return out.transpose(1, 2).reshape(s, length, dim)
+    if bias is not None:
+        qkv = qkv + bias
     heads = qkv.view(s, length, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4)  # (3, S, H, L, Dh)
     if path == "sdpa":
         out = F.scaled_dot_product_attention(heads[0], heads[1], heads[2], dropout_p=dropout_p)
@@ -166,8 +214,18 @@ def attention(qkv: torch.Tensor, n_heads: int, dropout_p: float = 0.0, path: str
             probs = dropout(probs, dropout_p, training=True)
         out = torch.bmm(probs, v).view(s, n_heads, length, head_dim)
     else:
-        raise ValueError(f"path={path!r}: expected 'short', 'sdpa' or None")
+        raise ValueError(f"path={path!r}: expected 'short', 'packed', 'sdpa' or None")
     return out.transpose(1, 2).reshape(s, length, dim)
+
+
+def projection_without_bias(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(module(x) - bias, bias)`` for a plain ``nn.Linear`` on the oneDNN inference path (the
+    bias left for :func:`attention`'s ``"packed"`` path to add), else ``(module(x), None)``."""
+    operands = _onednn_operands(module, x)
+    if operands is None:
+        return module(x), None
+    xx, w, b = operands
+    return _LINEAR_POINTWISE(xx, w, None, "none", [], ""), b
 
 
 def _bf16_weights(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:

@@ -133,8 +133,14 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *lead, length, _ = x.shape
-        qkv = _fast.linear(self.in_proj, x).reshape(-1, length, 3 * self.dim)
-        out = _fast.attention(qkv, self.n_heads, self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if _fast.attention_path(length, _compute_dtype(x), x.device, dropout_p) == "packed":
+            # fp32 inference: the bias goes in with the fused head split, not the matmul
+            qkv, bias = _fast.projection_without_bias(self.in_proj, x)
+            out = _fast.attention(qkv.reshape(-1, length, 3 * self.dim), self.n_heads, path="packed", bias=bias)
+        else:
+            qkv = _fast.linear(self.in_proj, x).reshape(-1, length, 3 * self.dim)
+            out = _fast.attention(qkv, self.n_heads, dropout_p)
         return _fast.linear(self.out_proj, out).view(*lead, length, self.dim)
 
 
@@ -350,6 +356,14 @@ class CBraMod(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the projections of ``x`` run in: the autocast dtype when autocast is on for
+    ``x``'s device, else ``x``'s own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def _init_linear(module: nn.Module) -> None:

@@ -270,3 +270,99 @@ def test_bf16_weight_copies_follow_replaced_parameters():
         assert torch.equal(_fast.linear(lin, x).float(), torch.full((8, 24), 3.0))
         lin.weight.data = torch.ones(24, 40)  # .data swap (what Module.to does): new storage
         torch.testing.assert_close(_fast.linear(lin, x).float(), lin(x).float(), rtol=2e-2, atol=0.3)
+
+
+# ------------------------------------------------------------------- packed fp32 inference path
+
+
+@pytest.mark.parametrize("length", [1, 19, 30])
+def test_packed_path_equals_explicit_attention_with_deferred_or_included_bias(length):
+    g = torch.Generator().manual_seed(length)
+    raw = torch.randn(6, length, 300, generator=g)
+    bias = torch.randn(300, generator=g)
+    want = _explicit_attention(raw + bias, 4)
+    with torch.no_grad():
+        deferred = _fast.attention(raw, 4, path="packed", bias=bias)  # the kernel adds the bias
+        included = _fast.attention(raw + bias, 4, path="packed")  # bias already in: zeros added
+        short_with_bias = _fast.attention(raw, 4, path="short", bias=bias)
+    for got in (deferred, included, short_with_bias):
+        assert got.shape == (6, length, 100) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_packed_path_policy_and_no_backward():
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        assert _fast.attention_path(19, torch.float32, cpu) == "packed"
+        assert _fast.attention_path(19, torch.bfloat16, cpu) == "short"
+        assert _fast.attention_path(_fast.SHORT_SEQUENCE + 1, torch.float32, cpu) == "sdpa"
+        assert _fast.attention_path(19, torch.float32, torch.device("cuda")) == "sdpa"
+    assert _fast.attention_path(19, torch.float32, cpu) == "sdpa"  # gradients: the packed op has none
+    assert _fast.attention_path(19, torch.float32, cpu, dropout_p=0.1) == "short"
+    qkv = torch.randn(2, 5, 24, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no backward"):
+        _fast.attention(qkv, 2, path="packed")
+
+
+def test_projection_without_bias_defers_exactly_the_linear_bias():
+    lin = _linear(40, 36)
+    x = torch.randn(3, 7, 40)
+    with torch.no_grad():
+        raw, bias = _fast.projection_without_bias(lin, x)
+        if _fast._HAS_ONEDNN_LINEAR:
+            assert bias is lin.bias
+            torch.testing.assert_close(raw + bias, lin(x), rtol=0, atol=1e-5)
+        else:
+            assert bias is None
+            torch.testing.assert_close(raw, lin(x))
+    raw, bias = _fast.projection_without_bias(lin, x)  # with gradients: the ordinary module call
+    assert bias is None and raw.requires_grad
+
+
+# ---------------------------------------------------------------------------- dropout multipliers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_keep_multiplier_is_the_keep_mask_as_exact_zeros_and_ones(dtype):
+    torch.manual_seed(3)
+    keep, scale = _fast.keep_mask((300, 77), 0.1)
+    torch.manual_seed(3)
+    mult, scale2 = _fast.keep_multiplier((300, 77), 0.1, dtype)
+    assert mult.dtype == dtype and mult.shape == (300, 77) and scale2 == scale
+    assert torch.equal(mult.float(), keep.float())  # the same draw; values exactly 0.0 and 1.0
+    ones, s = _fast.keep_multiplier((5, 4), 0.0, dtype)
+    assert torch.equal(ones, torch.ones(5, 4, dtype=dtype)) and s == 1.0
+    # the extremes of the 16-bit threshold (1 and 65535 dropped slots) do not overflow int16
+    for p in (1 / 65536, 65535 / 65536):
+        torch.manual_seed(0)
+        m, _ = _fast.keep_multiplier((400_000,), p, dtype)
+        assert set(m.float().unique().tolist()) <= {0.0, 1.0}
+        assert abs(m.float().mean().item() - (1 - p)) < 5e-3
+
+
+def test_bf16_dropout_rounds_kept_values_once():
+    # kept values are x * 1/(1-p) rounded once from fp32 arithmetic (as torch.native_dropout),
+    # not x times a bf16-rounded scale
+    x = torch.randn(512, 64).bfloat16()
+    torch.manual_seed(11)
+    out = _fast.dropout(x, 0.1, training=True)
+    torch.manual_seed(11)
+    keep, scale = _fast.keep_mask(x.shape, 0.1)
+    assert torch.equal(out, torch.where(keep, (x.float() * scale).bfloat16(), torch.zeros((), dtype=torch.bfloat16)))
+
+
+def test_positional_conv_runs_in_fp32_in_cpu_training_under_autocast():
+    from domainfm.models.cbramod.cbramod import PatchEmbedding
+
+    torch.manual_seed(0)
+    emb = PatchEmbedding(200, dropout=0.0)
+    grid = torch.randn(2, 200, 19, 4).bfloat16().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = emb._positional(grid)
+        with torch.no_grad():  # inference keeps the autocast (bf16) convolution
+            plain = emb._positional(grid)
+    want = emb.positional_encoding(grid.detach().float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert plain.dtype == torch.bfloat16 and (plain.float() - want.float()).abs().max() < 0.1
+    got.float().sum().backward()
+    assert grid.grad is not None and grid.grad.dtype == torch.bfloat16 and emb.positional_encoding[0].weight.grad is not None
