@@ -7,9 +7,12 @@ the batch into ``n`` shards and running each shard's whole forward in its own th
 intra-op thread keeps every core busy without a barrier per op; on 2 cores it made CBraMod's
 forward 12% (fp32) to 18% (bf16) faster at batch 8 (``benchmarks/cbramod.py``).
 
-The result is the same as the unsharded call: the models this is used for treat every sample
-independently in inference (no batch statistics), and each shard runs the same kernels. What is
-thread-local in torch (grad mode, inference mode, autocast) is carried into the workers.
+The result is that of the unsharded call: the models this is used for treat every sample
+independently in inference (no batch statistics), so a shard's output is exactly the model's
+output on that part of the batch. Only a GEMM whose blocking depends on the batch size (a
+classifier head whose rows are the samples) may sum in a different order, a rounding-level
+difference (2e-6 relative in fp32 in the tests). What is thread-local in torch (grad mode,
+inference mode, autocast) is carried into the workers.
 
 Sharding applies only when it can be the same computation and is worth it
 (:func:`should_shard`): CPU tensors, no gradient, batch >= 2, >= 2 intra-op threads, not inside
