@@ -43,7 +43,7 @@ from domainfm.models.cbramod.convert import to_official_state_dict
 from domainfm.models.cbramod.reference import RefCBraMod
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _peak import count_flops, matmul_peak, share_of_peak  # noqa: E402
+from _peak import count_flops, matmul_peak, share_of_peak, steady_allocator  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- official-style
@@ -209,17 +209,26 @@ def main(argv=None):
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: process CPU time (for A/B comparisons with --threads 1 on a busy machine)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--malloc", choices=["steady", "default"], default="steady",
+                        help="steady (default): fixed glibc malloc thresholds for both sides (_peak.steady_allocator); "
+                             "default: glibc's moving thresholds, under which page faults depend on the process's history")
+    parser.add_argument("--floor", action="store_true",
+                        help="also print the kernel floor of inference: the model's matmuls, GELU, softmax and layer "
+                             "norms timed alone at their best, and the largest ratio any implementation of the same "
+                             "arithmetic with these kernels could reach against the measured official time")
     parser.add_argument("--official", default=None, metavar="PATH",
                         help="a checkout of github.com/wjq-learning/CBraMod: measure against its own model code "
                              "(default: the package's restatement, domainfm.models.cbramod.reference)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    allocator = steady_allocator() if args.malloc == "steady" and args.device == "cpu" else "allocator: glibc defaults"
     precisions = ["fp32", "bf16"] if args.precision == "all" else [args.precision]
     modes = ["train", "infer"] if args.mode == "all" else [args.mode]
     official = f"official code at {args.official}" if args.official else "in-package restatement (reference.py)"
     print(f"device={args.device} threads={args.threads} torch={torch.__version__} batch={args.batch} "
           f"shape=19x30x200 reps={args.reps} (median, interleaved)  loadavg={os.getloadavg()[0]:.2f}")
     print(f"official side: {official}")
+    print(allocator)
     print(f"same weights: max |features ours - official| in fp32 = {_agreement(args.device, args.official):.2e}")
     peaks = {p: matmul_peak(torch.float32 if p == "fp32" else torch.bfloat16, args.device, args.threads)
              for p in precisions}
@@ -248,6 +257,12 @@ def main(argv=None):
                     row[f"{impl}_peak_mb"] = peak_memory_mb(impl, mode, precision, args.batch, args.device, args.threads,
                                                             args.official)
             row["speedup"] = row["ratio"] = row["domainfm_samples_per_s"] / row["official_samples_per_s"]
+            if args.floor and mode == "infer" and args.device == "cpu":
+                floor_s = inference_floor(precision, args.batch, args.threads)
+                official_s = args.batch / row["official_samples_per_s"]
+                row["floor_ms"], row["max_ratio"] = floor_s * 1e3, official_s / floor_s
+                print(f"      kernel floor of {precision} inference {floor_s * 1e3:.0f} ms per batch: no implementation of "
+                      f"this arithmetic with these kernels beats {row['max_ratio']:.2f}x official", flush=True)
             results.append(row)
             mem = "" if args.no_memory else (f"  peak MB ours {row['domainfm_peak_mb']:7.0f}  "
                                             f"official {row['official_peak_mb']:7.0f}")
@@ -260,6 +275,79 @@ def main(argv=None):
 
         atomic_write_json(args.json, results)
     return 0
+
+
+def inference_floor(precision: str, batch: int, threads: int, reps: int = 15, verbose: bool = True) -> float:
+    """Seconds below which no CPU implementation of CBraMod inference that runs the official
+    arithmetic through torch's kernels can go, here, at ``batch`` samples on ``threads`` cores.
+
+    Each kernel of the 12 criss-cross layers runs alone, on one core, at the shapes of one
+    ``ceil(batch / threads)``-sample stream (the batch split over the cores, no synchronisation
+    between them: the best case), in the run's precision, as its best of ``reps`` calls on warm
+    caches and reused buffers: the six linear layers (oneDNN, bias fused), the exact-erf GELU,
+    the four attention matmuls of each branch, the softmaxes (fp32) and the two layer norms, and
+    the patch embedding (CNN, FFT, spectral projection, positional convolution) as one call.
+    Their sum is a lower bound: head splits, residual adds, memory traffic between kernels and
+    the cores' shared bandwidth are all left out.
+    """
+    lp = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        b = -(-batch // threads)
+        m = b * 19 * 30
+        g = torch.Generator().manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g).to(dtype)
+
+        def linear(k, n):
+            x, w, bias = rand(m, k), rand(n, k) * 0.05, rand(n)
+            return (lambda: lp(x, w, bias, "none", [], "")) if lp is not None else (lambda: F.linear(x, w, bias))
+
+        def attention(length):
+            s = m // length * 4  # sequences x heads
+            q, k, v = rand(s, length, 25), rand(s, length, 25), rand(s, length, 25)
+            p = torch.softmax(rand(s, length, length).float(), -1).to(dtype)
+            return (lambda: torch.bmm(q, k.transpose(1, 2)), lambda: torch.bmm(p, v),
+                    lambda: torch.softmax(p, -1, dtype=torch.float32))
+
+        hidden, tokens = rand(m, 800), rand(m, 200)
+        from domainfm.models.cbramod.cbramod import PatchEmbedding
+
+        embedding = PatchEmbedding(200).eval()
+        eeg = torch.randn(b, 19, 30, 200, generator=g)
+
+        def embed(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                return embedding(x)
+        ln_w, ln_b = torch.ones(200), torch.zeros(200)
+        s_scores, s_values, s_softmax = attention(19)
+        t_scores, t_values, t_softmax = attention(30)
+        kernels = [  # (what, calls per forward, fn)
+            ("linear 200->800 (FFN in)", 12, linear(200, 800)),
+            ("GELU (exact) on the FFN hidden", 12, lambda: F.gelu(hidden)),
+            ("linear 800->200 (FFN out)", 12, linear(800, 200)),
+            ("linear 100->300 (q, k, v of a branch)", 24, linear(100, 300)),
+            ("linear 100->100 (out proj of a branch)", 24, linear(100, 100)),
+            ("q k^T, spatial (L=19)", 12, s_scores), ("p v, spatial", 12, s_values), ("softmax, spatial", 12, s_softmax),
+            ("q k^T, temporal (L=30)", 12, t_scores), ("p v, temporal", 12, t_values), ("softmax, temporal", 12, t_softmax),
+            ("layer norm", 24, lambda: F.layer_norm(tokens, (200,), ln_w, ln_b)),
+            ("patch embedding (whole)", 1, lambda: embed(eeg)),
+        ]
+        total = 0.0
+        with torch.no_grad():
+            for what, calls, fn in kernels:
+                for _ in range(3):
+                    fn()
+                best = min(_timed(fn, "cpu") for _ in range(reps))
+                total += calls * best
+                if verbose:
+                    print(f"      floor {precision} {what:40s} {calls:3d} x {best * 1e3:6.3f} ms = {calls * best * 1e3:6.1f} ms")
+        return total
+    finally:
+        torch.set_num_threads(old)
 
 
 def _step_flops(mode, precision, batch, device) -> int:
