@@ -17,8 +17,9 @@ Long sequences and GPUs keep :func:`scaled_dot_product_attention`.
 
 The linear layers go through oneDNN's ``mkldnn::_linear_pointwise`` when no gradient is needed
 on CPU (inference): it is 25-40% faster than the BLAS ``addmm`` for these shapes in fp32, fuses
-the bias and the exact (erf) GELU of the feed-forward block into the matmul, and can add the
-residual in the same pass; under bf16 autocast it runs on bf16 weight copies kept across calls.
+the bias (and in fp32 the exact erf GELU of the feed-forward block) into the matmul, and can add
+the residual in the same pass; under bf16 autocast it runs on bf16 weight copies kept across
+calls, with the GELU as a separate pass (cheaper there than oneDNN's erf post-op).
 The op has no autograd formula, so any grad-enabled call, any module that is not a plain
 ``nn.Linear`` (LoRA, quantised wrappers) and any non-CPU tensor take the ordinary ``module(x)``
 path. In training, dropout multiplies by exact 0/1 masks in the activation dtype
