@@ -29,7 +29,7 @@ def _sync(device: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def matmul_peak(dtype: torch.dtype = torch.float32, device: str = "cpu", threads: int | None = None,
-                size: int | None = None, seconds: float = 1.5) -> float:
+                size: int | None = None, seconds: float = 3.0) -> float:
     """Best GFLOP/s of ``size x size`` matmuls in ``dtype`` on ``device`` (cached per process)."""
     old = torch.get_num_threads()
     if threads:
