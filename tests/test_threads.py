@@ -114,3 +114,24 @@ def test_cbramod_sharded_inference_equals_the_single_stream(two_threads, precisi
         else:
             torch.testing.assert_close(g.float(), w.float(), rtol=1e-2, atol=1e-2)
     assert torch.get_num_threads() == 2
+
+
+def test_models_shard_only_in_eval_mode_and_without_hooks(two_threads):
+    model = CBraMod(n_chans=4, n_times=400, n_layers=1, dim_feedforward=32).eval()
+    x = torch.randn(4, 4, 400)
+    assert threads.module_can_shard(model)
+    calls = []
+    handle = model.encoder.layers[0].register_forward_hook(lambda m, a, out: calls.append(out.shape[0]))
+    try:
+        assert not threads.module_can_shard(model)
+        with torch.no_grad():
+            model.forward_features(x)
+        assert calls == [4]  # the hook saw the whole batch once, on the caller's thread
+    finally:
+        handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: None)
+    try:
+        assert not threads.module_can_shard(model)
+    finally:
+        handle.remove()
+    assert threads.module_can_shard(model) and not threads.module_can_shard(model.train())

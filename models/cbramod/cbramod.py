@@ -331,7 +331,7 @@ class CBraMod(nn.Module):
 
         CPU inference on a batch runs as one single-threaded shard per intra-op thread
         (:mod:`domainfm.threads`; the same values, 12-18% faster on 2 cores)."""
-        if threads.should_shard(x):
+        if self._shard(x):
             return threads.sharded(self.forward_features, x)
         return self.encoder(self.patch_embedding(self.patchify(x)))
 
@@ -340,7 +340,7 @@ class CBraMod(nn.Module):
         by the mask encoding (``mask``: bool ``(B, C, N)``, True = masked)."""
         if self.proj_out is None:
             raise RuntimeError("this CBraMod was built with reconstruction_head=False (no proj_out)")
-        if threads.should_shard(x) and mask.shape[:1] == x.shape[:1]:
+        if self._shard(x) and mask.shape[:1] == x.shape[:1]:
             return threads.sharded(self.forward_reconstruction, x, mask)
         patches = self.patchify(x)
         if mask.shape != patches.shape[:3]:
@@ -364,9 +364,13 @@ class CBraMod(nn.Module):
         self.n_outputs = n_outputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if threads.should_shard(x):
+        if self._shard(x):
             return threads.sharded(self.forward, x)
         return self.forward_head(self.forward_features(x))
+
+    def _shard(self, x: torch.Tensor) -> bool:
+        """Whether this call runs as per-thread shards of the batch (:mod:`domainfm.threads`)."""
+        return threads.should_shard(x) and threads.module_can_shard(self)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

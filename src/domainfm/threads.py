@@ -18,7 +18,9 @@ Sharding applies only when it can be the same computation and is worth it
 (:func:`should_shard`): CPU tensors, no gradient, batch >= 2, >= 2 intra-op threads, not inside
 a worker already, not under a ``TorchDispatchMode`` (e.g. ``FlopCounterMode``, which is
 thread-local and would not see the workers' ops), not while compiling, and not switched off
-with :func:`set_enabled` or ``DOMAINFM_SHARD_THREADS=0``.
+with :func:`set_enabled` or ``DOMAINFM_SHARD_THREADS=0``; and for a model
+(:func:`module_can_shard`) only in eval mode and with no forward hooks registered, so that no
+observer sees the split.
 
 While the workers run, the process-wide intra-op thread count is 1 (torch's ``set_num_threads``
 is global); it is restored to the caller's count when the shards are done. Other threads that run
@@ -33,7 +35,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["should_shard", "sharded", "set_enabled", "is_enabled"]
+__all__ = ["should_shard", "module_can_shard", "sharded", "set_enabled", "is_enabled"]
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -69,6 +71,20 @@ def should_shard(x: torch.Tensor) -> bool:
     if compiler is not None and getattr(compiler, "is_compiling", lambda: False)():
         return False
     return True
+
+
+def module_can_shard(module: torch.nn.Module) -> bool:
+    """Whether calls into ``module`` may be split across worker threads without anyone seeing it:
+    in eval mode (a train-mode forward draws dropout masks from the shared generator, whose order
+    across threads would not be reproducible), and with no forward (pre-)hooks on it, on any
+    submodule or globally (a hook would fire once per shard, on part of the batch, in a worker)."""
+    if module.training:
+        return False
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
 def _get_pool(size: int) -> ThreadPoolExecutor:
