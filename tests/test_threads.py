@@ -135,3 +135,28 @@ def test_models_shard_only_in_eval_mode_and_without_hooks(two_threads):
     finally:
         handle.remove()
     assert threads.module_can_shard(model) and not threads.module_can_shard(model.train())
+
+
+def test_a_forked_child_shards_with_its_own_workers(two_threads):
+    # the parent's pool exists first; a child made by fork inherits the pool object without its
+    # threads, so reusing it would wait forever
+    import multiprocessing as mp
+
+    with torch.no_grad():
+        threads.sharded(lambda t: t + 1, torch.zeros(4, 2))
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_shards, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive, "sharded call in a forked child hung"
+    assert queue.get(timeout=5) == [2.0] * 8
+
+
+def _child_shards(queue):
+    torch.set_num_threads(2)
+    with torch.no_grad():
+        queue.put(threads.sharded(lambda t: t + 2, torch.zeros(8)).tolist())

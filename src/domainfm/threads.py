@@ -41,6 +41,7 @@ _local = threading.local()
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
+_pool_pid = 0  # a forked child inherits the pool object but not its threads: it builds its own
 _enabled = os.environ.get("DOMAINFM_SHARD_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -88,13 +89,13 @@ def module_can_shard(module: torch.nn.Module) -> bool:
 
 
 def _get_pool(size: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
+    global _pool, _pool_size, _pool_pid
     with _lock:
-        if _pool is None or _pool_size != size:
-            if _pool is not None:
+        if _pool is None or _pool_size != size or _pool_pid != os.getpid():
+            if _pool is not None and _pool_pid == os.getpid():
                 _pool.shutdown(wait=True)
             _pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="domainfm-shard")
-            _pool_size = size
+            _pool_size, _pool_pid = size, os.getpid()
         return _pool
 
 
