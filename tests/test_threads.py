@@ -160,3 +160,16 @@ def _child_shards(queue):
     torch.set_num_threads(2)
     with torch.no_grad():
         queue.put(threads.sharded(lambda t: t + 2, torch.zeros(8)).tolist())
+
+
+def test_small_batches_keep_every_thread_busy():
+    old = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        fn, seen = _calls(lambda x: x + 1)
+        with torch.no_grad():
+            threads.sharded(fn, torch.zeros(2, 3))
+        assert sorted(n for _, n, _, _ in seen) == [2, 3]  # 5 threads over 2 shards, none idle
+        assert torch.get_num_threads() == 5
+    finally:
+        torch.set_num_threads(old)

@@ -5,7 +5,8 @@ norms, head splits, softmaxes over 19-30 scores, GEMMs of a few MB). Run with ``
 threads, every one of them ends in an OpenMP barrier and most scale far below ``n``x. Splitting
 the batch into ``n`` shards and running each shard's whole forward in its own thread with *one*
 intra-op thread keeps every core busy without a barrier per op; on 2 cores it made CBraMod's
-forward 12% (fp32) to 18% (bf16) faster at batch 8 (``benchmarks/cbramod.py``).
+forward 12% (fp32) to 18% (bf16) faster at batch 8 (``benchmarks/cbramod.py``). A batch smaller
+than ``n`` gets one shard per sample, each with its share of the ``n`` threads.
 
 The result is that of the unsharded call: the models this is used for treat every sample
 independently in inference (no batch statistics), so a shard's output is exactly the model's
@@ -100,7 +101,8 @@ def _get_pool(size: int) -> ThreadPoolExecutor:
 
 
 def sharded(fn: Callable[..., torch.Tensor], *batched: torch.Tensor, **kwargs) -> torch.Tensor:
-    """``fn(*batched, **kwargs)`` with the batch split into one shard per intra-op thread.
+    """``fn(*batched, **kwargs)`` with the batch split into one shard per intra-op thread (or one
+    per sample when the batch is smaller, each with its share of the threads).
 
     Every tensor in ``batched`` is split along its first dimension the same way (they must all
     have the caller's batch size); ``kwargs`` go unchanged to every shard. The shards' outputs
@@ -112,6 +114,9 @@ def sharded(fn: Callable[..., torch.Tensor], *batched: torch.Tensor, **kwargs) -
         raise ValueError(f"sharded: every batched input needs the batch size {n}, got {[t.shape[0] for t in batched]}")
     threads = torch.get_num_threads()
     shards = min(threads, n)
+    # each shard's share of the threads (one each when the batch covers them; with more threads
+    # than samples, e.g. batch 2 on 16 threads, every shard keeps several instead of idling cores)
+    per_shard = [threads // shards + (i < threads % shards) for i in range(shards)]
     pieces = [t.tensor_split(shards) for t in batched]
     autocast = torch.is_autocast_enabled("cpu")
     autocast_dtype = torch.get_autocast_dtype("cpu")
@@ -119,7 +124,7 @@ def sharded(fn: Callable[..., torch.Tensor], *batched: torch.Tensor, **kwargs) -
 
     def run(i: int) -> torch.Tensor:
         _local.worker = True
-        torch.set_num_threads(1)
+        torch.set_num_threads(per_shard[i])
         try:
             with torch.inference_mode(inference_mode), torch.no_grad(), \
                     torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast):
