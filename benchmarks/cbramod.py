@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from domainfm.models.cbramod.cbramod import PatchEmbedding
 from domainfm.models.cbramod.convert import to_official_state_dict
 from domainfm.models.cbramod.reference import RefCBraMod
 
@@ -314,8 +315,6 @@ def inference_floor(precision: str, batch: int, threads: int, reps: int = 15, ve
                     lambda: torch.softmax(p, -1, dtype=torch.float32))
 
         hidden, tokens = rand(m, 800), rand(m, 200)
-        from domainfm.models.cbramod.cbramod import PatchEmbedding
-
         embedding = PatchEmbedding(200).eval()
         eeg = torch.randn(b, 19, 30, 200, generator=g)
 

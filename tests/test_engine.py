@@ -284,6 +284,17 @@ def test_precision_auto_follows_the_hardware(monkeypatch):
         TrainConfig(precision="half")
 
 
+def test_active_autocast_dtype_follows_the_autocast_context():
+    from domainfm.precision import active_autocast_dtype
+
+    assert active_autocast_dtype("cpu") is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert active_autocast_dtype("cpu") == torch.bfloat16
+        with torch.autocast("cpu", enabled=False):
+            assert active_autocast_dtype("cpu") is None
+    assert active_autocast_dtype("cpu") is None
+
+
 def test_csv_and_tensorboard_loggers_write_beside_jsonl(tmp_path):
     pytest.importorskip("tensorboard")
     torch.manual_seed(0)

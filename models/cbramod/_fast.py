@@ -35,10 +35,14 @@ in training).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from domainfm.precision import active_autocast_dtype
 
 __all__ = ["SHORT_SEQUENCE", "use_short_attention", "attention_path", "attention", "projection_without_bias", "linear", "dropout", "keep_mask", "keep_multiplier"]
 
@@ -79,9 +83,11 @@ def _random_int16(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return bits.view(torch.int16)[:n]
 
 
-def _dropped_slots(p: float) -> int:
-    """Of the 65536 values of a 16-bit slot, how many mean "drop": ``round(p * 2**16)``."""
-    return round(p * 65536)
+def _drop_rule(p: float) -> tuple[int, float]:
+    """Of the 65536 values of a 16-bit slot, how many mean "drop" (``round(p * 2**16)``), and
+    the scale ``1 / (1 - p')`` that makes dropout with that rate unbiased."""
+    dropped = round(p * 65536)
+    return dropped, 65536.0 / (65536 - dropped)
 
 
 def keep_mask(shape, p: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
@@ -92,12 +98,9 @@ def keep_mask(shape, p: float, device: torch.device | str = "cpu") -> tuple[torc
     ``round(p * 2**16) / 2**16`` (within 2**-17 of ``p``) and the returned scale is exactly its
     ``1 / (1 - p')``. The same draw as :func:`keep_multiplier` under the same seed.
     """
-    n = 1
-    for size in shape:
-        n *= int(size)
-    dropped = _dropped_slots(p)
-    keep = _random_int16(n, device).view(shape) >= dropped - 32768
-    return keep, 65536.0 / (65536 - dropped)
+    dropped, scale = _drop_rule(p)
+    keep = _random_int16(math.prod(shape), device).view(shape) >= dropped - 32768
+    return keep, scale
 
 
 #: bit patterns of 1.0 in the 2-byte floating types (a 0/1 int16 times this, viewed as the type)
@@ -113,16 +116,12 @@ def keep_multiplier(shape, p: float, dtype: torch.dtype = torch.float32,
     (clamp the 16-bit draw to ``[t - 1, t]`` and subtract ``t - 1``: 0 or 1, no overflow), and
     for 2-byte float types by writing 1.0's bit pattern instead of converting.
     """
-    n = 1
-    for size in shape:
-        n *= int(size)
-    dropped = _dropped_slots(p)
-    scale = 65536.0 / (65536 - dropped)
+    dropped, scale = _drop_rule(p)
     if dropped == 0:
         return torch.ones(shape, dtype=dtype, device=device), scale
     threshold = dropped - 32768
     # in place on the fresh random buffer: no second allocation of n int16
-    keep = _random_int16(n, device).clamp_(threshold - 1, threshold).sub_(threshold - 1)  # 0 / 1
+    keep = _random_int16(math.prod(shape), device).clamp_(threshold - 1, threshold).sub_(threshold - 1)  # 0 / 1
     if dtype in _ONE_BITS:
         return keep.mul_(_ONE_BITS[dtype]).view(dtype).view(shape), scale
     return keep.to(dtype).view(shape), scale
@@ -253,8 +252,8 @@ def _onednn_operands(module: nn.Module, x: torch.Tensor):
     if x.device.type != "cpu" or torch.is_grad_enabled():
         return None
     w, b = module.weight, module.bias
-    if torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")
+    dtype = active_autocast_dtype("cpu")
+    if dtype is not None:
         if dtype != torch.bfloat16:
             return None
         return x.to(dtype), *_bf16_weights(module)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from domainfm import threads
+from domainfm.precision import active_autocast_dtype
 
 from . import _fast
 
@@ -103,11 +104,10 @@ class PatchEmbedding(nn.Module):
         in bf16 here, and the result is no less accurate than the bf16 convolution it replaces
         (the official model's under autocast) before the same rounding.
         """
-        if grid.device.type == "cpu" and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu"):
-            dtype = torch.get_autocast_dtype("cpu")
-            if dtype != torch.float32:
-                with torch.autocast("cpu", enabled=False):
-                    return self.positional_encoding(grid.float()).to(dtype)
+        dtype = active_autocast_dtype("cpu")
+        if grid.device.type == "cpu" and torch.is_grad_enabled() and dtype not in (None, torch.float32):
+            with torch.autocast("cpu", enabled=False):
+                return self.positional_encoding(grid.float()).to(dtype)
         return self.positional_encoding(grid)
 
 
@@ -136,7 +136,8 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *lead, length, _ = x.shape
         dropout_p = self.dropout if self.training else 0.0
-        if _fast.attention_path(length, _compute_dtype(x), x.device, dropout_p) == "packed":
+        compute_dtype = active_autocast_dtype(x.device.type) or x.dtype  # what the projections run in
+        if _fast.attention_path(length, compute_dtype, x.device, dropout_p) == "packed":
             # fp32 inference: the bias goes in with the fused head split, not the matmul
             qkv, bias = _fast.projection_without_bias(self.in_proj, x)
             out = _fast.attention(qkv.reshape(-1, length, 3 * self.dim), self.n_heads, path="packed", bias=bias)
@@ -371,14 +372,6 @@ class CBraMod(nn.Module):
     def _shard(self, x: torch.Tensor) -> bool:
         """Whether this call runs as per-thread shards of the batch (:mod:`domainfm.threads`)."""
         return threads.should_shard(x) and threads.module_can_shard(self)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the projections of ``x`` run in: the autocast dtype when autocast is on for
-    ``x``'s device, else ``x``'s own."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def _init_linear(module: nn.Module) -> None:

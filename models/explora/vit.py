@@ -29,6 +29,8 @@ import torch
 from timm.models.vision_transformer import Block
 from torch import nn
 
+from domainfm.precision import active_autocast_dtype
+
 __all__ = ["build_timm_vit", "TIMM_ARCHS", "SubsetDropPathBlock", "drop_add_residual", "EFFICIENT_DROP_PATH_ABOVE"]
 
 #: drop rates above this use the subset form of stochastic depth in training (DINOv2's threshold:
@@ -87,8 +89,7 @@ class SubsetDropPathBlock(Block):
             return
         if "_fused_attn_default" not in self.__dict__:
             self._fused_attn_default = bool(attn.fused_attn)
-        plain = x.device.type == "cpu" and (x.dtype == torch.bfloat16 or (
-            torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16))
+        plain = x.device.type == "cpu" and torch.bfloat16 in (x.dtype, active_autocast_dtype("cpu"))
         attn.fused_attn = self._fused_attn_default and not plain
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:

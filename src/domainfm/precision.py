@@ -15,7 +15,8 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["PRECISIONS", "PrecisionError", "bf16_native", "resolve_precision", "autocast", "autocast_dtype"]
+__all__ = ["PRECISIONS", "PrecisionError", "bf16_native", "resolve_precision", "autocast", "autocast_dtype",
+           "active_autocast_dtype"]
 
 #: what ``precision`` may say (Lightning Fabric's names, plus ``auto``)
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "64-true")
@@ -64,6 +65,13 @@ def autocast_dtype(precision: str | None, device: str | torch.device = "cpu") ->
         return torch.bfloat16
     if resolved.startswith("16"):
         return torch.float16
+    return None
+
+
+def active_autocast_dtype(device_type: str = "cpu") -> torch.dtype | None:
+    """The dtype autocast casts to on ``device_type`` right now (None when autocast is off there)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
     return None
 
 

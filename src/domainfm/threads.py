@@ -23,9 +23,10 @@ with :func:`set_enabled` or ``DOMAINFM_SHARD_THREADS=0``; and for a model
 (:func:`module_can_shard`) only in eval mode and with no forward hooks registered, so that no
 observer sees the split.
 
-While the workers run, the process-wide intra-op thread count is 1 (torch's ``set_num_threads``
-is global); it is restored to the caller's count when the shards are done. Other threads that run
-torch ops concurrently with a sharded call see 1 intra-op thread meanwhile.
+While the workers run, the process-wide intra-op thread count is a shard's share (1 when the
+batch covers the threads; torch's ``set_num_threads`` is global); it is restored to the caller's
+count when the shards are done. Other threads that run torch ops concurrently with a sharded call
+see that count meanwhile.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
 
 import torch
+
+from domainfm.precision import active_autocast_dtype
 
 __all__ = ["should_shard", "module_can_shard", "sharded", "set_enabled", "is_enabled"]
 
@@ -118,8 +121,7 @@ def sharded(fn: Callable[..., torch.Tensor], *batched: torch.Tensor, **kwargs) -
     # than samples, e.g. batch 2 on 16 threads, every shard keeps several instead of idling cores)
     per_shard = [threads // shards + (i < threads % shards) for i in range(shards)]
     pieces = [t.tensor_split(shards) for t in batched]
-    autocast = torch.is_autocast_enabled("cpu")
-    autocast_dtype = torch.get_autocast_dtype("cpu")
+    autocast_dtype = active_autocast_dtype("cpu")
     inference_mode = torch.is_inference_mode_enabled()
 
     def run(i: int) -> torch.Tensor:
@@ -127,7 +129,7 @@ def sharded(fn: Callable[..., torch.Tensor], *batched: torch.Tensor, **kwargs) -
         torch.set_num_threads(per_shard[i])
         try:
             with torch.inference_mode(inference_mode), torch.no_grad(), \
-                    torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast):
+                    torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 return fn(*(p[i] for p in pieces), **kwargs)
         finally:
             _local.worker = False
@@ -135,7 +137,7 @@ def sharded(fn: Callable[..., torch.Tensor], *batched: torch.Tensor, **kwargs) -
     pool = _get_pool(shards)
     futures = [pool.submit(run, i) for i in range(shards)]
     try:
-        wait(futures)  # all of them, so that none still runs with 1 thread after the restore
+        wait(futures)  # all of them, so that none still runs with its share after the restore
     finally:
         torch.set_num_threads(threads)
     return torch.cat([f.result() for f in futures])
