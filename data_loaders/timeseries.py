@@ -33,6 +33,8 @@ __all__ = [
     "future_index",
     "ForecastWindows",
     "load_sample",
+    "statsmodels_corpus",
+    "STATSMODELS_CORPUS",
     "left_pad",
     "SAMPLES",
     "TimeSeriesError",
@@ -299,3 +301,47 @@ def load_sample(name: str = "statsmodels_series") -> list[dict[str, Any]]:
     path = importlib.resources.files("domainfm.data_loaders") / "samples" / "timeseries" / f"{name}.csv"
     with importlib.resources.as_file(path) as p:
         return read_long(p)
+
+
+#: statsmodels-bundled series that are *not* in the shipped evaluation sample (statsmodels_series.csv):
+#: the real part of domainfm's WaveToken pretraining corpus. name -> (licence, description)
+STATSMODELS_CORPUS = {
+    "fertility": ("CC-BY-4.0 (World Bank open data)",
+                  "World Bank fertility rate, 1960-2013, one yearly series per country (219, NaN gaps trimmed)"),
+    "danish_data": ("public domain", "Danish money demand, 1974Q1-1987Q3, 5 quarterly series"),
+    "interest_inflation": ("public domain", "German interest rate and inflation, 1972Q2-1998Q4, 2 quarterly series"),
+}
+
+
+def statsmodels_corpus(names: Sequence[str], *, min_length: int = 16) -> list[dict[str, Any]]:
+    """Series from statsmodels' bundled datasets (see :data:`STATSMODELS_CORPUS`), as
+    ``{"item_id", "target"}`` dicts with float32 targets; the longest NaN-free stretch of each
+    column (fertility: of each country's row) is kept when it has at least ``min_length`` values."""
+    import statsmodels.api as sm
+
+    out: list[dict[str, Any]] = []
+    for name in names:
+        if name not in STATSMODELS_CORPUS:
+            raise TimeSeriesError(f"statsmodels corpus {name!r}: expected one of {sorted(STATSMODELS_CORPUS)}")
+        frame = getattr(sm.datasets, name).load_pandas().data
+        if name == "fertility":
+            years = [c for c in frame.columns if str(c).isdigit()]
+            columns = {f"{name}/{code}": row[years].to_numpy(dtype=np.float64)
+                       for code, (_, row) in zip(frame["Country Code"], frame.iterrows())}
+        else:
+            numeric = frame.drop(columns=[c for c in ("year", "quarter") if c in frame.columns])
+            columns = {f"{name}/{c}": numeric[c].to_numpy(dtype=np.float64) for c in numeric.columns}
+        for item, values in columns.items():
+            finite = np.isfinite(values)
+            # the longest run of finite values
+            best, start = (0, 0), None
+            for i, ok in enumerate(np.append(finite, False)):
+                if ok and start is None:
+                    start = i
+                elif not ok and start is not None:
+                    best = max(best, (i - start, start))
+                    start = None
+            length, first = best
+            if length >= min_length:
+                out.append({"item_id": item, "target": values[first : first + length].astype(np.float32)})
+    return out

@@ -118,6 +118,8 @@ class DataSection:
     tsmixup_min_length: int = 128
     tsmixup_max_length: int = 2048
     extra_series: list[str] = field(default_factory=list)
+    #: statsmodels-bundled datasets added to the TSMixup pool (data_loaders.timeseries.STATSMODELS_CORPUS)
+    statsmodels: list[str] = field(default_factory=list)
     windows_per_epoch: int = 10000
     val_windows: int = 256
     missing_prob: float = 0.2
@@ -171,6 +173,10 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                                          seed=d.seed)
     synth_seconds = time.perf_counter() - start
     extra = _load_extra(d.extra_series)
+    if d.statsmodels:
+        from domainfm.data_loaders.timeseries import statsmodels_corpus
+
+        extra += [s["target"] for s in statsmodels_corpus(d.statsmodels)]
     tsmixup = dict(max_series=d.tsmixup_max_series, alpha=d.tsmixup_alpha, min_length=d.tsmixup_min_length,
                    max_length=d.tsmixup_max_length)
     common = dict(context_length=model.context_length, prediction_length=model.prediction_length,

@@ -117,6 +117,10 @@ _TEST_T5 = dict(d_model=32, d_kv=8, num_heads=4, num_layers=2, d_ff=64, relative
                 relative_attention_max_distance=32, dropout=0.0, initializer_factor=1.0)
 
 _register_wavetoken("test", _TEST_T5, context_length=64, prediction_length=16, tags=("test",))
+#: WaveToken-micro: domainfm's own size (1.05M parameters, context 256), the architecture of the
+#: checkpoint domainfm trains on a CPU (configs/wavetoken/pretrain_micro_kernelsynth.yaml); not a paper size
+MICRO_T5 = dict(d_model=128, num_layers=2, num_heads=4, d_kv=32, d_ff=512)
+_register_wavetoken("micro", MICRO_T5, context_length=256, prediction_length=64)
 for _size in ("tiny", "mini", "small", "base"):
     _register_wavetoken(_size, T5_SIZES[_size])
 

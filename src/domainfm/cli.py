@@ -71,7 +71,8 @@ def _cmd_list(args) -> int:
         card = zoo.get_card(name)
         if args.pretrained:
             # one line per weight source: where it lives, how it is verified, its licence
-            for source in card.weights:
+            tag = zoo.split_tag(name)[1]
+            for source in (w for w in card.weights if tag is None or w.tag == tag):
                 rev = f"@{source.revision}" if source.revision and "@" not in source.url else ""
                 print(f"{name:<40} {card.family:<10} {source.url}{rev}  licence={source.license}  "
                       f"verified={source.pinned}")

@@ -532,8 +532,11 @@ def fetch(url: str, sha256: str | None = None, *, progress: bool = True, revisio
     ``file://`` URLs and plain paths are verified in place (not copied). A cached file is trusted
     only when its sha256 matches (when one is given); a mismatching cached file is an error.
     """
-    if url.startswith("file://") or "://" not in url:
-        path = Path(urllib.parse.urlparse(url).path if url.startswith("file://") else url)
+    if url.startswith(("file://", PACKAGE_SCHEME)) or "://" not in url:
+        if url.startswith(PACKAGE_SCHEME):
+            path = package_path(url)
+        else:
+            path = Path(urllib.parse.urlparse(url).path if url.startswith("file://") else url)
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint file not found: {path}")
         if sha256 is not None:
@@ -589,6 +592,30 @@ def fetch(url: str, sha256: str | None = None, *, progress: bool = True, revisio
     if sha256 is None:
         _record_sha256(dest, url, actual)
     return dest
+
+
+#: files shipped inside an installed package: ``package://<module>/<path inside the module>``
+PACKAGE_SCHEME = "package://"
+
+
+def package_path(url: str) -> Path:
+    """The local path of a ``package://domainfm.models.fim/weights/FILE`` source (a file shipped in
+    the installed package: nothing to download, verified by its pinned sha256 like any other)."""
+    import importlib.resources
+
+    rest = url[len(PACKAGE_SCHEME):]
+    module, _, inner = rest.partition("/")
+    if not module or not inner or ".." in inner.split("/"):
+        raise HubError(f"{url}: expected package://<module>/<path inside the module>")
+    try:
+        root = importlib.resources.files(module)
+    except ModuleNotFoundError as exc:
+        raise HubError(f"{url}: module {module!r} is not installed") from exc
+    path = Path(str(root.joinpath(*inner.split("/"))))
+    if not path.is_file():
+        raise FileNotFoundError(f"{url}: the shipped file {path} is missing from this installation (a wheel built "
+                                "without its package data?)")
+    return path
 
 
 # --------------------------------------------------------------------------- reading checkpoints
@@ -1265,7 +1292,10 @@ def create_model(
             raise HubError(f"{path}: not a domainfm model directory (no 'domainfm' block in {config_file})")
         return _create_from_saved(path, config, kwargs)
     name = str(name)
-    model = zoo.build_model(name, **kwargs)
+    base, tag = zoo.split_tag(name)
+    model = zoo.build_model(base, **kwargs)
+    if pretrained is True and tag is not None:
+        pretrained = zoo.weight_source(name).url  # "<model>.<tag>": that tag's source
     if pretrained is not False and pretrained is not None:
-        load_pretrained(model, pretrained, card=name, converter=converter, sha256=sha256, strict=strict, progress=progress)
+        load_pretrained(model, pretrained, card=base, converter=converter, sha256=sha256, strict=strict, progress=progress)
     return model

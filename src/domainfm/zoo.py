@@ -40,6 +40,8 @@ __all__ = [
     "family_module_of",
     "model_info",
     "build_model",
+    "split_tag",
+    "weight_source",
 ]
 
 
@@ -63,6 +65,11 @@ class WeightSource:
             ``None`` means the file is the state_dict itself (the converter may still unwrap).
         revision: the Hub revision (commit, tag or branch) the source is pinned to; ``None``: ``main``.
         note: what could not be confirmed about this source (shown by ``domainfm info``).
+        tag: the pretrained tag (timm's ``<model>.<tag>``): ``create_model("<model>.<tag>",
+            pretrained=True)`` loads this source; ``list_models(pretrained=True)`` lists it so.
+            ``package://<module>/<path>`` sources are files shipped inside an installed package.
+        card: a model card shipped beside a ``package://`` file (``package://<module>/<path>.md``):
+            what was trained on what, for how long, and its held-out figures.
     """
 
     url: str
@@ -73,8 +80,12 @@ class WeightSource:
     state_dict_key: str | None = None
     revision: str | None = None
     note: str = ""
+    tag: str | None = None
+    card: str | None = None
 
     def __post_init__(self):
+        if self.tag is not None and (not self.tag or "." in self.tag or "/" in self.tag or self.tag != self.tag.strip()):
+            raise ValueError(f"WeightSource({self.url!r}): tag {self.tag!r} must be a non-empty word without '.' or '/'")
         if self.sha256 is None:
             if not self.url.startswith(("hf://", "timm://")):
                 raise ValueError(f"WeightSource({self.url!r}): a non-Hub source needs a pinned sha256 (64 hex digits)")
@@ -192,10 +203,14 @@ def _ensure_name_imported(name: str) -> None:
     nothing when it already is, else its family from :data:`FAMILY_OF_NAME`, else every family."""
     if name in _REGISTRY:
         return
+    # "<model>.<tag>": the model's family registers it
+    base = name.rsplit(".", 1)[0] if isinstance(name, str) else name
+    if base in _REGISTRY:
+        return
     module = family_module_of(name) if isinstance(name, str) else None
     if module is not None:
         importlib.import_module(module)
-        if name in _REGISTRY:
+        if name in _REGISTRY or base in _REGISTRY:
             return
     _ensure_families_imported()
 
@@ -271,8 +286,11 @@ class UnknownModelError(KeyError):
 
 
 def get_card(name: str) -> ModelCard:
-    """The card of ``name``; imports only the family that registers it (see :data:`FAMILY_OF_NAME`)."""
+    """The card of ``name`` (or of ``<model>.<tag>``'s model); imports only the family that registers
+    it (see :data:`FAMILY_OF_NAME`)."""
     _ensure_name_imported(name)
+    if isinstance(name, str) and name not in _REGISTRY and "." in name:
+        name = split_tag(name)[0]
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -286,20 +304,52 @@ def get_card(name: str) -> ModelCard:
 def list_models(pattern: str | Sequence[str] = "*", pretrained: bool = False, family: str | None = None) -> list[str]:
     """Registered model names matching ``pattern`` (fnmatch, or a list of patterns), sorted.
 
-    ``pretrained=True`` keeps only variants with at least one weight source.
+    ``pretrained=True`` keeps only variants with at least one weight source and lists them as
+    timm does: ``<model>.<tag>`` for each tagged source (``create_model`` takes that name), the
+    bare ``<model>`` for an untagged one.
     """
     _ensure_families_imported()
     patterns = [pattern] if isinstance(pattern, str) else list(pattern)
     names = []
     for name, card in _REGISTRY.items():
-        if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            continue
-        if pretrained and not card.has_pretrained:
-            continue
         if family is not None and card.family != family:
             continue
-        names.append(name)
+        candidates = [name]
+        if pretrained:
+            candidates = [f"{name}.{w.tag}" if w.tag else name for w in card.weights]
+        for candidate in dict.fromkeys(candidates):
+            if any(fnmatch.fnmatchcase(candidate, p) or fnmatch.fnmatchcase(name, p) for p in patterns):
+                names.append(candidate)
     return sorted(names)
+
+
+def split_tag(name: str) -> tuple[str, str | None]:
+    """``"<model>.<tag>"`` -> ``("<model>", "<tag>")`` when ``<model>`` is registered and one of
+    its weight sources carries ``<tag>``; a registered name -> ``(name, None)``. Raises
+    :class:`UnknownModelError` for an unknown tag of a known model, naming the tags it has."""
+    _ensure_name_imported(name)
+    if name in _REGISTRY or "." not in name:
+        return name, None
+    base, tag = name.rsplit(".", 1)
+    _ensure_name_imported(base)
+    card = _REGISTRY.get(base)
+    if card is None:
+        return name, None
+    tags = [w.tag for w in card.weights if w.tag]
+    if tag not in tags:
+        raise UnknownModelError(f"{base!r} has no pretrained tag {tag!r}; its tags: {tags or 'none'} "
+                                f"(`domainfm list {base}* --pretrained`)")
+    return base, tag
+
+
+def weight_source(name: str) -> WeightSource | None:
+    """The weight source ``name`` selects: ``<model>.<tag>`` its tagged source, a bare model name
+    its first source (None when it has none)."""
+    base, tag = split_tag(name)
+    card = get_card(base)
+    if tag is None:
+        return card.weights[0] if card.weights else None
+    return next(w for w in card.weights if w.tag == tag)
 
 
 def list_families() -> list[str]:
@@ -319,7 +369,7 @@ def build_model(name: str, **kwargs) -> nn.Module:
     model = card.builder(**merged)
     if not isinstance(model, nn.Module):
         raise TypeError(f"builder of {name!r} returned {type(model).__name__}, not an nn.Module")
-    model.domainfm_name = name
+    model.domainfm_name = card.name
     model.domainfm_kwargs = merged
     return model
 
