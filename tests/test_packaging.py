@@ -122,3 +122,20 @@ def test_console_script_help():
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT.parent)
     assert result.returncode == 0, result.stderr
     assert "domainfm" in result.stdout
+
+
+def test_every_shipped_checkpoint_is_package_data_with_its_digest_and_card():
+    """Each package:// weight source (domainfm's own checkpoints) is in the installed package (the
+    wheel too) with the sha256 its card pins, and its model card beside it says what it is."""
+    from domainfm import hub, zoo
+
+    shipped = [(name, w) for name in zoo.list_models() for w in zoo.get_card(name).weights
+               if w.url.startswith(hub.PACKAGE_SCHEME)]
+    assert {f"{n}.{w.tag}" for n, w in shipped} >= {"fim-imputation-small.synthetic-prior",
+                                                    "wavetoken-micro.kernelsynth-tsmixup"}
+    for name, source in shipped:
+        path = hub.package_path(source.url)
+        assert hub.sha256_file(path) == source.sha256, f"{name}.{source.tag}: {path} does not match its pinned sha256"
+        assert path.stat().st_size <= 20 * 2**20, f"{path}: over 20 MB"
+        card = hub.package_path(source.card).read_text()
+        assert "trained by domainfm" in card and "not the published weights" in card, source.card

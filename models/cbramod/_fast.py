@@ -35,6 +35,8 @@ in training).
 """
 from __future__ import annotations
 
+import functools
+
 import math
 
 import numpy as np
@@ -245,6 +247,23 @@ def _bf16_weights(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     return cached[3], cached[4]
 
 
+@functools.lru_cache(maxsize=None)
+def onednn_bf16_linear_works() -> bool:
+    """Whether oneDNN can build a bf16 inner-product primitive here. It cannot without
+    AVX-512-BF16/AMX (or with ``ONEDNN_MAX_CPU_ISA`` capped below them), where the call raises
+    instead of computing slowly; asked once per process by making the real call on a tiny input."""
+    if not _HAS_ONEDNN_LINEAR:
+        return False
+    x = torch.ones(1, 8, dtype=torch.bfloat16)
+    try:
+        with torch.no_grad():
+            _LINEAR_POINTWISE(x, torch.ones(4, 8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16),
+                              "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 def _onednn_operands(module: nn.Module, x: torch.Tensor):
     """(x, weight, bias) in the dtype the oneDNN linear should run in, or None for the plain path."""
     if not _HAS_ONEDNN_LINEAR or type(module) is not nn.Linear or module.bias is None:
@@ -254,10 +273,12 @@ def _onednn_operands(module: nn.Module, x: torch.Tensor):
     w, b = module.weight, module.bias
     dtype = active_autocast_dtype("cpu")
     if dtype is not None:
-        if dtype != torch.bfloat16:
+        if dtype != torch.bfloat16 or not onednn_bf16_linear_works():
             return None
         return x.to(dtype), *_bf16_weights(module)
     if x.dtype not in _ONEDNN_DTYPES or w.dtype != x.dtype or b.dtype != x.dtype:
+        return None
+    if x.dtype == torch.bfloat16 and not onednn_bf16_linear_works():
         return None
     return x, w, b
 

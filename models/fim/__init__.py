@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from domainfm.zoo import register_model
+from domainfm.zoo import WeightSource, register_model
 
 from .convert import config_from_official, convert_official_local, convert_official_temporal, rename_official_key
 from .fim import (FIMImputer, FIMInputError, balanced_windows, blend_windows, missing_from_observed,
@@ -81,6 +81,12 @@ def fim_imputation_base(**kwargs) -> FIMImputer:
     description="FIM local imputation model, small (1.0M params; the base model's structure at width 128, "
                 "4 blocks, MLPs 256): the architecture of domainfm's own synthetic-prior checkpoint",
     input_spec=_SPEC, defaults=dict(SMALL_KWARGS), converters={"official": convert_official_local}, head="head",
+    weights=[WeightSource(
+        "package://domainfm.models.fim/weights/fim-imputation-small.synthetic-prior.safetensors",
+        sha256="bcd0e60c7bf572e6856284cef63fae4590b7deb153c2d5df554e18ba464f35f9", tag="synthetic-prior",
+        license="MIT", card="package://domainfm.models.fim/weights/fim-imputation-small.synthetic-prior.md",
+        description="trained by domainfm, not the published weights: the official objective on domainfm's "
+                    "synthetic ODE prior (configs/fim/pretrain_synthetic_prior.yaml); see the card")],
 )
 def fim_imputation_small(**kwargs) -> FIMImputer:
     """FIMImputer at width 128 (time encoding and latent), 4 blocks x 4 heads, MLP width 256."""

@@ -70,7 +70,8 @@ def _example(context_length: int, vocab: int, with_eos: bool = True):
     return make
 
 
-def _register_wavetoken(size: str, t5: dict, *, context_length=512, prediction_length=64, tags=(), extra=None):
+def _register_wavetoken(size: str, t5: dict, *, context_length=512, prediction_length=64, tags=(), extra=None,
+                        weights=()):
     defaults = {**_COMMON, **t5, "tokenizer": "wavelet", "vocab_size": 1024, "context_length": context_length,
                 "prediction_length": prediction_length, "tokenizer_kwargs": dict(WAVELET_TOKENIZER), **(extra or {})}
     register_model(
@@ -78,7 +79,7 @@ def _register_wavetoken(size: str, t5: dict, *, context_length=512, prediction_l
         description=f"WaveToken-{size}: T5 encoder-decoder over wavelet-coefficient tokens (1024-token vocabulary)",
         input_spec={"n_chans": 1, "n_times": context_length, "prediction_length": prediction_length,
                     "tokenizer": "wavelet", "vocab_size": 1024},
-        defaults=defaults, converters={"hf_t5": convert_hf_t5}, head="lm_head", tags=tags,
+        defaults=defaults, converters={"hf_t5": convert_hf_t5}, head="lm_head", tags=tags, weights=list(weights),
         example_input=_example(context_length, 1024),
     )(_build)
 
@@ -120,7 +121,12 @@ _register_wavetoken("test", _TEST_T5, context_length=64, prediction_length=16, t
 #: WaveToken-micro: domainfm's own size (1.05M parameters, context 256), the architecture of the
 #: checkpoint domainfm trains on a CPU (configs/wavetoken/pretrain_micro_kernelsynth.yaml); not a paper size
 MICRO_T5 = dict(d_model=128, num_layers=2, num_heads=4, d_kv=32, d_ff=512)
-_register_wavetoken("micro", MICRO_T5, context_length=256, prediction_length=64)
+_register_wavetoken("micro", MICRO_T5, context_length=256, prediction_length=64, weights=[WeightSource(
+    "package://domainfm.models.wavetoken/weights/wavetoken-micro.kernelsynth-tsmixup.safetensors",
+    sha256="2bd11d3d0cac51569fef8f938b2b6cef69141730f79e80c73f60adf1ba7191c1", tag="kernelsynth-tsmixup",
+    license="Apache-2.0", card="package://domainfm.models.wavetoken/weights/wavetoken-micro.kernelsynth-tsmixup.md",
+    description="trained by domainfm, not the published weights: KernelSynth + TSMixup over statsmodels-bundled "
+                "series (configs/wavetoken/pretrain_micro_kernelsynth.yaml); see the card")])
 for _size in ("tiny", "mini", "small", "base"):
     _register_wavetoken(_size, T5_SIZES[_size])
 

@@ -162,7 +162,22 @@ def _run_family(kind: str, args) -> int:
     else:
         flat = {k: v for k, v in report.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
         print_table(flat, title=title)
+    _print_outputs(folder.path, report)
     return 0
+
+
+def _print_outputs(run_dir: Path, report: dict) -> None:
+    """The files a person opens next: report.md and every picture of the run and its arms."""
+    markdown = run_dir / "report.md"
+    if markdown.is_file():
+        print(f"\nreport: {markdown}")
+    pictures = [(name, path) for name, path in (report.get("pictures") or {}).items()]
+    for arm, result in (report.get("arms") or {}).items():
+        if isinstance(result, dict):
+            pictures += [(f"{arm}/{name}", path) for name, path in (result.get("pictures") or {}).items()]
+    for name, path in pictures:
+        shown = Path(path) if Path(path).is_absolute() else run_dir / path
+        print(f"picture {name}: {shown}")
 
 
 #: config sections whose change makes a checkpoint unusable (the architecture and its adaptation)

@@ -366,3 +366,53 @@ def test_positional_conv_runs_in_fp32_in_cpu_training_under_autocast():
     assert plain.dtype == torch.bfloat16 and (plain.float() - want.float()).abs().max() < 0.1
     got.float().sum().backward()
     assert grid.grad is not None and grid.grad.dtype == torch.bfloat16 and emb.positional_encoding[0].weight.grad is not None
+
+
+_CAPPED_ISA_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from _cbramod_weights import random_official_cbramod
+from domainfm.models.cbramod import CBraMod, _fast, convert_official_state_dict
+ref = random_official_cbramod(2, 64, 0).eval()
+model = CBraMod(n_layers=2, dim_feedforward=64).eval()
+model.load_state_dict(convert_official_state_dict(ref.state_dict(), model))
+x = torch.randn(2, 19, 4, 200, generator=torch.Generator().manual_seed(2))
+with torch.no_grad():
+    want = model.forward_features(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model.forward_features(x).float()
+        theirs = ref.features(x).float()
+print((got - want).abs().max().item(), (theirs - want).abs().max().item(), _fast.onednn_bf16_linear_works())
+"""
+
+
+def test_bf16_autocast_runs_where_onednn_has_no_bf16_linear():
+    """oneDNN capped at AVX2 (as on CPUs without AVX-512-BF16) has no bf16 inner-product primitive:
+    the fast linear falls back to plain torch, and the bf16 forward stays within the official
+    model's own bf16 error of the fp32 one (the check is the real oneDNN call, so it holds on
+    every CPU: on an AVX2-only machine the cap changes nothing)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _CAPPED_ISA_SCRIPT, str(Path(__file__).resolve().parents[1])],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    err_ours, err_theirs, works = out.stdout.split()
+    assert works == "False"
+    assert float(err_theirs) > 1e-3  # autocast was in effect
+    assert float(err_ours) <= 1.5 * float(err_theirs) + 0.02
+
+
+def test_bf16_linear_falls_back_to_plain_torch_when_onednn_cannot(monkeypatch):
+    lin = _linear()
+    x = torch.randn(64, 40)
+    monkeypatch.setattr(_fast, "onednn_bf16_linear_works", lambda: False)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _fast._onednn_operands(lin, x) is None
+        assert _fast._onednn_operands(lin, x.bfloat16()) is None
+        got = _fast.linear(lin, x, "gelu")
+        want = F.gelu(lin(x))
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0)  # same ops, same process
+    with torch.no_grad():  # fp32 keeps the fused path
+        assert _fast._onednn_operands(lin, x) is not None or not _fast._HAS_ONEDNN_LINEAR
