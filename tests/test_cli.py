@@ -231,3 +231,18 @@ def test_bad_precision_through_the_console_entry(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == f"domainfm embed: error: argument --precision: invalid value 'fp8' {ALLOWED}"
     assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_config_takes_a_shipped_name_a_file_and_refuses_a_folder(tmp_path, capsys):
+    from domainfm import config as cfgmod
+
+    assert cli._config_file("fim", "pretrain", "pretrain_synthetic_prior") == cfgmod.config_path(
+        "fim", "pretrain_synthetic_prior")
+    assert cli._config_file("fim", "pretrain", None) == cfgmod.config_path("fim", "pretrain")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("model: {name: fim-imputation-test}\n")
+    assert cli._config_file("fim", "pretrain", str(mine)) == mine
+    with pytest.raises(cfgmod.ConfigError, match="no shipped config fim/nosuch.yaml.*pretrain_synthetic_prior"):
+        cli._config_file("fim", "pretrain", "nosuch")
+    assert cli.main(["pretrain", "fim", "--config", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert "is a folder" in capsys.readouterr().err

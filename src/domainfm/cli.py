@@ -105,12 +105,28 @@ def _cmd_download(args) -> int:
     return 0
 
 
+def _config_file(family: str, kind: str, given: str | None) -> Path:
+    """``--config``: a YAML file, or the name of a config shipped for the family (``pretrain_demo``,
+    as stages name them); none: the family's ``<kind>.yaml``."""
+    from domainfm import config as cfgmod
+
+    if not given:
+        return cfgmod.config_path(family, kind)
+    path = Path(given)
+    if path.is_dir():
+        raise cfgmod.ConfigError(f"--config {given}: is a folder; expected a YAML file or the name of a shipped "
+                                 f"config ({', '.join(cfgmod.list_configs(family))})")
+    if path.is_file() or path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+        return path
+    return cfgmod.config_path(family, given)
+
+
 def _run_family(kind: str, args) -> int:
     from domainfm import config as cfgmod
     from domainfm.experiment import RunFolder, RunFolderError, print_table as print_arms
 
     module = family_entry(kind, args.family)
-    config_file = Path(args.config) if args.config else cfgmod.config_path(args.family, kind)
+    config_file = _config_file(args.family, kind, args.config)
     if getattr(args, "precision", None) is not None:
         args.overrides = list(args.overrides) + [f"train.precision={args.precision}"]
     raw = cfgmod.apply_overrides(cfgmod.load_yaml(config_file), args.overrides)

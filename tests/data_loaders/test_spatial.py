@@ -228,7 +228,9 @@ def test_shipped_demo_tissue_is_reproducible():
     np.testing.assert_array_equal(shipped.obsm["spatial"], fresh.obsm["spatial"])
     assert (shipped.obs["region"].to_numpy() == fresh.obs["region"].to_numpy()).all()
     assert (shipped.obs["cell_type"].to_numpy() == fresh.obs["cell_type"].to_numpy()).all()
-    assert abs(shipped.X - fresh.X).max() == 0
+    # float32 expm1 differs by SIMD width across CPUs (3e-5 seen on AVX2 vs AVX-512): a tolerance, not bits
+    difference = abs(shipped.X - fresh.X).max()
+    assert difference <= 1e-4 * max(1.0, abs(shipped.X).max()), difference
     assert set(shipped.obs["region"]) == set(S.NICHES)
     S.validate(shipped)
     assert S.tokenize(shipped).n_genes_matched > 600
