@@ -583,3 +583,24 @@ def test_model_card_shows_the_reports_metrics_and_training(tmp_path, tiny_zoo):
     assert "| test/accuracy | 0.79 |" in (folder / "README.md").read_text()
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     assert not (domainfm.save_pretrained(model, tmp_path / "n", card=False) / "README.md").exists()
+
+
+def test_integer_tensor_for_a_float_parameter_is_refused(tiny_zoo, tmp_path):
+    """A checkpoint storing a float parameter as int32 would load with most weights rounded to 0:
+    refused, naming the key and both dtypes (float dtypes convert as load_state_dict does)."""
+    from safetensors.torch import save_file
+
+    from domainfm import hub
+
+    model = domainfm.create_model("dfmtest-small")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    key = next(k for k, v in state.items() if v.is_floating_point() and v.dim() == 2)
+    bad = dict(state, **{key: state[key].to(torch.int32)})
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(hub.HubError, match=rf"{key}.*torch.int32.*torch.float32"):
+        domainfm.create_model("dfmtest-small", pretrained=str(tmp_path / "bad.safetensors"), converter=lambda sd, m: sd)
+    half = dict(state, **{key: state[key].half()})  # a float dtype: converted, as load_state_dict does
+    save_file(half, str(tmp_path / "half.safetensors"))
+    loaded = domainfm.create_model("dfmtest-small", pretrained=str(tmp_path / "half.safetensors"),
+                                   converter=lambda sd, m: sd)
+    torch.testing.assert_close(loaded.state_dict()[key], state[key].half().float())

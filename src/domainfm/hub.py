@@ -779,6 +779,10 @@ def load_state_dict_into(
                 continue
             mismatched.append(f"{key}: checkpoint {tuple(value.shape)} vs model {tuple(own[key].shape)}")
             continue
+        if own[key].is_floating_point() and not value.is_floating_point():
+            # load_state_dict would copy it, rounding nothing but silently loading integers
+            raise HubError(f"{source}: tensor {key!r} is stored as {value.dtype}, but the model's parameter is "
+                           f"{own[key].dtype}: not a checkpoint of this model's floating-point weights")
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise HubError(f"{source}: tensor {key!r} contains NaN or inf")
         filtered[key] = value
