@@ -816,22 +816,24 @@ def predict_main(argv: list[str]) -> int:
     """``domainfm predict wavetoken --input series.csv --output forecast.csv [--model NAME|DIR|RUN]``."""
     from domainfm.atomic import atomic_path
     from domainfm.data_loaders.timeseries import TimeSeriesError
-    from domainfm.experiment.inference import run_config
+    from domainfm.experiment.inference import positive_int, quantile_levels, run_config
     from domainfm.precision import autocast
 
     parser = _apply_parser("predict", "Probabilistic forecasts of every series in a long-format CSV/Parquet file, "
                                       "and a fan chart of the first series.")
-    parser.add_argument("--prediction-length", type=int, default=None,
+    parser.add_argument("--prediction-length", type=positive_int, default=None,
                         help="horizon (default: the run's data.prediction_length, else the model's)")
-    parser.add_argument("--num-samples", type=int, default=None, help="sample paths (sampling models; default 20)")
-    parser.add_argument("--quantiles", default=None, help="comma-separated levels (default 0.1,...,0.9)")
+    parser.add_argument("--num-samples", type=positive_int, default=None,
+                        help="sample paths (sampling models; default 20)")
+    parser.add_argument("--quantiles", type=quantile_levels, default=None,
+                        help="comma-separated levels in (0, 1) (default 0.1,...,0.9)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--plot", default=None, help="fan chart PNG (default: <output stem>.png)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the fan chart")
     args = parser.parse_args(argv)
     trained = run_config(args.model, Config) if args.model else None  # a run's own horizon, levels and sampling
     ev = trained.eval if trained is not None else EvalSection()
-    levels = [float(q) for q in args.quantiles.split(",") if q.strip()] if args.quantiles else list(ev.quantile_levels)
+    levels = args.quantiles if args.quantiles else list(ev.quantile_levels)
     eval_cfg = dataclasses.replace(ev, quantile_levels=levels,
                                    num_samples=args.num_samples if args.num_samples is not None else ev.num_samples,
                                    seed=args.seed if args.seed is not None else ev.seed)

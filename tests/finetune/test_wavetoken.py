@@ -413,3 +413,21 @@ def test_chronos_bolt_finetunes_predicts_and_embeds_through_the_same_paths(tmp_p
     with torch.no_grad():
         states, attention, _ = start.encode(context[:1])
     assert np.allclose(z["embedding"][0], states[0][attention[0]].mean(0).numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--prediction-length", "0", "must be >= 1"),
+    ("--prediction-length", "-3", "must be >= 1"),
+    ("--num-samples", "0", "must be >= 1"),
+    ("--quantiles", "abc", "'abc' is not a number"),
+    ("--quantiles", "1.5,-0.2", "strictly between 0 and 1"),
+])
+def test_out_of_range_options_are_one_line_errors_not_defaults(tmp_path, capsys, saved_models, option, value, expected):
+    """0 used to mean the default horizon (16) and --quantiles 1.5 a traceback: argparse refuses them."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["predict", "wavetoken", "--model", str(saved_models["wavetoken-test"]), "--input", SHIPPED,
+                  "--output", str(tmp_path / "o.csv"), option, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and expected in err and "Traceback" not in err
+    assert not (tmp_path / "o.csv").exists()

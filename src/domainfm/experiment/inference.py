@@ -10,7 +10,35 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["add_model_arguments", "load_model", "resolve_model_dir", "run_config", "run_report"]
+__all__ = ["add_model_arguments", "load_model", "resolve_model_dir", "run_config", "run_report", "positive_int",
+           "quantile_levels"]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 and negatives are refused, never read as 'the default')."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
+
+
+def quantile_levels(text: str) -> list[float]:
+    """argparse type: comma-separated quantile levels, each strictly between 0 and 1."""
+    levels = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            level = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a number (expected levels like 0.1,0.5,0.9)") from None
+        if not 0.0 < level < 1.0:
+            raise argparse.ArgumentTypeError(f"{level}: a quantile level must lie strictly between 0 and 1")
+        levels.append(level)
+    if not levels:
+        raise argparse.ArgumentTypeError("no quantile levels given")
+    return levels
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str | None = None) -> None:
