@@ -145,3 +145,23 @@ def test_seeded_forecast_windows_are_fixed_per_index_and_leave_the_global_genera
     a = free[0]
     np.random.seed(3)
     assert torch.equal(free[0][1], a[1]) and not np.array_equal(np.random.get_state()[1], before)
+
+
+def test_statsmodels_corpus_keeps_each_series_longest_finite_stretch():
+    import statsmodels.api as sm
+
+    from domainfm.data_loaders.timeseries import STATSMODELS_CORPUS, TimeSeriesError, statsmodels_corpus
+
+    corpus = statsmodels_corpus(sorted(STATSMODELS_CORPUS))
+    by_id = {s["item_id"]: s["target"] for s in corpus}
+    assert len(corpus) == 198 + 5 + 2  # 21 countries have fewer than 16 finite fertility years
+    frame = sm.datasets.fertility.load_pandas().data
+    aruba = frame.loc[frame["Country Code"] == "ABW", [str(y) for y in range(1960, 2014)]].to_numpy(float)[0]
+    finite = aruba[np.isfinite(aruba)]
+    np.testing.assert_allclose(by_id["fertility/ABW"], finite[: len(by_id["fertility/ABW"])], rtol=1e-6)
+    assert all(np.isfinite(s).all() and len(s) >= 16 for s in by_id.values())
+    danish = sm.datasets.danish_data.load_pandas().data
+    np.testing.assert_allclose(by_id["danish_data/lrm"], danish["lrm"].to_numpy(), rtol=1e-6)
+    assert "interest_inflation/Dp" in by_id and "interest_inflation/year" not in by_id
+    with pytest.raises(TimeSeriesError, match="co2.*expected one of"):
+        statsmodels_corpus(["co2"])  # in the shipped evaluation sample: never part of the corpus
