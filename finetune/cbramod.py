@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from domainfm.experiment.inference import positive_float, positive_int  # argparse types
 from domainfm.data_loaders import eeg
 from domainfm.data_loaders.eeg_demo import DEMO_LABELS_NOTE, DEMO_REGIONS, build_demo_task
 from domainfm.engine import TrainConfig
@@ -575,10 +576,10 @@ def _parse(command: str, argv: list[str]):
     add_model_arguments(parser, default_model="cbramod-base" if command == "embed" else None)
     parser.add_argument("--channels", default=None,
                         help="comma-separated channel names replacing the model's channel list (same count and order)")
-    parser.add_argument("--stride-s", type=float, default=None, help="window step in seconds (default: the window length)")
+    parser.add_argument("--stride-s", type=positive_float, default=None, help="window step in seconds (default: the window length)")
     parser.add_argument("--allow-upsample", action="store_true",
                         help="accept a recording sampled below the model's rate (upsampled; adds no content)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=positive_int, default=32)
     args = parser.parse_args(argv)
     args.channels = [c.strip() for c in args.channels.split(",") if c.strip()] if args.channels else None
     return args

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
 from domainfm.finetune import metrics as M
@@ -629,13 +630,13 @@ def _parse(command: str, argv: list[str]):
                      "Per-tile embeddings of a GeoTIFF/JP2 scene (.npz: embeddings, row, col, bounds, crs, transform)")
         + ". Bands, normalisation and tile size are the run's (a run folder) or the model card's (a name).")
     add_model_arguments(parser)
-    parser.add_argument("--stride", type=int, default=None, help="tile step in scene pixels (default the tile size)")
-    parser.add_argument("--tile-size", type=int, default=None,
+    parser.add_argument("--stride", type=positive_int, default=None, help="tile step in scene pixels (default the tile size)")
+    parser.add_argument("--tile-size", type=positive_int, default=None,
                         help="tile side in scene pixels (default: the run's data.tile_size, or the model's input size)")
     parser.add_argument("--edge", choices=("shift", "drop"), default="shift",
                         help="shift: a last tile flush with the bottom/right edge covers the strip the grid leaves; "
                              "drop: that strip stays nodata")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=positive_int, default=256)
     if command == "predict":
         parser.add_argument("--probability", default=None, help="also write the chosen class's probability (float32 GeoTIFF)")
         parser.add_argument("--plot", default=None, help="also draw the class map beside the RGB scene (PNG)")

@@ -75,6 +75,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from domainfm.experiment.inference import positive_int, unit_interval  # argparse types
 from domainfm.data_loaders.odebench import DEMO_SYSTEMS, ODEBENCH, simulate
 from domainfm.engine import Recipe, TrainConfig
 from domainfm.experiment import ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
@@ -399,8 +400,9 @@ def predict_main(argv: list[str]) -> int:
     parser.add_argument("--pretrained", default="hf://FIM4Science/fim-imp-pointwise-base",
                         help="weights for a registered variant (path, hf:// source); 'none' for random init")
     parser.add_argument("--time", default=None, help="time column (default: time/timestamp/date or the index)")
-    parser.add_argument("--window-points", type=int, default=128)
-    parser.add_argument("--overlap", type=float, default=0.25)
+    parser.add_argument("--window-points", type=positive_int, default=128)
+    parser.add_argument("--overlap", type=unit_interval, default=0.25,
+                        help="fraction of a window shared with the previous one, in [0, 1)")
     parser.add_argument("--plot", default=None, help="PNG path (default: OUTPUT with .png)")
     args = parser.parse_args(argv)
 

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.data_loaders import graph as G
 from domainfm.engine import TrainConfig, Trainer
 from domainfm.experiment import (AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained,
@@ -538,7 +539,7 @@ def _apply_parser(command: str) -> argparse.ArgumentParser:
                         help="which tasks: a file of node/graph ids (one per line) or node pairs ('u,v' per line), "
                              "or a .npy (ids, pairs or a boolean mask); default every node / graph / edge")
     parser.add_argument("--split", default=None, help="instead of --index: the input's train|val|test tasks")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=positive_int, default=256)
     parser.add_argument("--seed", type=int, default=0, help="neighbour sampling when the fan-out is not -1")
     return parser
 

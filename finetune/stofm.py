@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.data_loaders import spatial
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, Retained, TaskData
@@ -479,8 +480,8 @@ def _cli(command: str, argv: list[str]):
     parser.add_argument("--spatial-key", default=None)
     parser.add_argument("--layer", default=None)
     parser.add_argument("--embedding-key", default=None, help="precomputed cell embeddings in obsm")
-    parser.add_argument("--cells-per-subslice", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--cells-per-subslice", type=positive_int, default=None)
+    parser.add_argument("--batch-size", type=positive_int, default=4)
     if command == "embed":
         parser.add_argument("--key-added", default="X_stofm")
     args = parser.parse_args(argv)

@@ -72,6 +72,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.atomic import atomic_write_text
 from domainfm.engine import Recipe, Trainer
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
@@ -801,7 +802,7 @@ def _apply_parser(command: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--timestamp", default="timestamp")
     parser.add_argument("--target", default="target")
     parser.add_argument("--freq", default=None)
-    parser.add_argument("--chunk-rows", type=int, default=200_000,
+    parser.add_argument("--chunk-rows", type=positive_int, default=200_000,
                         help="rows read at a time from a CSV whose items are in contiguous rows (other files are read whole)")
     return parser
 
@@ -816,7 +817,7 @@ def predict_main(argv: list[str]) -> int:
     """``domainfm predict wavetoken --input series.csv --output forecast.csv [--model NAME|DIR|RUN]``."""
     from domainfm.atomic import atomic_path
     from domainfm.data_loaders.timeseries import TimeSeriesError
-    from domainfm.experiment.inference import positive_int, quantile_levels, run_config
+    from domainfm.experiment.inference import quantile_levels, run_config
     from domainfm.precision import autocast
 
     parser = _apply_parser("predict", "Probabilistic forecasts of every series in a long-format CSV/Parquet file, "
@@ -890,7 +891,7 @@ def embed_main(argv: list[str]) -> int:
     parser = _apply_parser("embed", "Per-series encoder embeddings (mean-pooled over observed positions) of a "
                                     "long-format CSV/Parquet file: .npz (item_id, embedding) or .csv/.parquet "
                                     "(item_id, e0..e{d-1}).")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
     args = parser.parse_args(argv)
     suffix = Path(args.output).suffix.lower()
     if suffix not in (".npz", ".csv", ".parquet"):

@@ -32,6 +32,7 @@ import pandas as pd
 import torch
 from torch.utils.data import Dataset
 
+from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.data_loaders import wearables as W
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
@@ -485,7 +486,7 @@ def _parse(command: str, argv: list[str]):
         + ". --input: an Apple Health export.xml, a long CSV/Parquet (timestamp, variable, value) or a Fitbit "
           "export folder of one participant.")
     add_model_arguments(parser)
-    parser.add_argument("--min-hours", type=int, default=24, help="drop weeks with fewer observed hours")
+    parser.add_argument("--min-hours", type=positive_int, default=24, help="drop weeks with fewer observed hours")
     return parser.parse_args(argv)
 
 

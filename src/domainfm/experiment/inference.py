@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["add_model_arguments", "load_model", "resolve_model_dir", "run_config", "run_report", "positive_int",
-           "quantile_levels"]
+           "positive_float", "unit_interval", "quantile_levels"]
 
 
 def positive_int(text: str) -> int:
@@ -22,6 +22,28 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value}: must be a finite number > 0")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    """argparse type: a fraction in [0, 1) (an overlap of 1 would never advance)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{value}: must lie in [0, 1)")
     return value
 
 
