@@ -25,6 +25,8 @@ __all__ = [
     "load_nations",
     "load_tu_dataset",
     "load_mutag",
+    "load_kinships",
+    "load_cuneiform",
     "load_graph_dir",
     "from_pyg",
     "link_prediction_split",
@@ -215,8 +217,36 @@ def load_nations(encoder: TextEncoder | None = None, *, root: str | os.PathLike 
     runs over the undirected pairs of the *training* triples only. ``min_count`` drops relations
     with fewer training triples (classes renumbered by frequency).
     """
-    root = Path(root) if root else samples_dir() / "nations"
-    encoder = encoder or text_encoder("minilm")
+    return _load_knowledge_graph(
+        "nations", Path(root) if root else samples_dir() / "nations", encoder or text_encoder("minilm"),
+        node_text=nations_node_text, relation_text=nations_relation_text, min_count=min_count,
+        labels="observed: the relation of each triple (Rummel's Dimensionality of Nations data via pykeen); "
+               "a pair with several relations appears once per relation")
+
+
+def kinships_node_text(entity: str) -> str:
+    # the persons are anonymous in the data: every node has the same text, so only structure tells them apart
+    return "A member of the Alyawarra people of Central Australia."
+
+
+def kinships_relation_text(relation: str) -> str:
+    return f"The Alyawarra kinship term number {relation.removeprefix('term')} that one person uses for another."
+
+
+def load_kinships(encoder: TextEncoder | None = None, *, root: str | os.PathLike | None = None,
+                  min_count: int = 1) -> GraphDataset:
+    """The Kinships knowledge graph (104 Alyawarra speakers, 25 kinship terms, 10,686 triples;
+    Denham's field data as prepared by Kemp et al. 2006; pykeen's split files). Edge task: the
+    kinship term one person uses for another, as for :func:`load_nations`."""
+    return _load_knowledge_graph(
+        "kinships", Path(root) if root else samples_dir() / "kinships", encoder or text_encoder("minilm"),
+        node_text=kinships_node_text, relation_text=kinships_relation_text, min_count=min_count,
+        labels="observed: the kinship term of each triple (Denham's Alyawarra data via pykeen); "
+               "a pair with several terms appears once per term")
+
+
+def _load_knowledge_graph(name: str, root: Path, encoder: TextEncoder, *, node_text: Callable[[str], str],
+                          relation_text: Callable[[str], str], min_count: int, labels: str) -> GraphDataset:
     parts = {split: _read_triples(root / f"{file}.txt") for split, file in
              (("train", "train"), ("val", "valid"), ("test", "test"))}
     entities = sorted({h for rows in parts.values() for h, _, _ in rows} | {t for rows in parts.values() for _, _, t in rows})
@@ -226,23 +256,22 @@ def load_nations(encoder: TextEncoder | None = None, *, root: str | os.PathLike 
     relations = sorted((r for r in counts if counts[r] >= min_count), key=lambda r: (-counts[r], r))
     rel_id = {r: i for i, r in enumerate(relations)}
     ent_id = {e: i for i, e in enumerate(entities)}
-    pairs, labels, splits, pos = [], [], {}, 0
+    pairs, label_ids, splits, pos = [], [], {}, 0
     for split, rows in parts.items():
         kept = [(ent_id[h], ent_id[t], rel_id[r]) for h, r, t in rows if r in rel_id]
         pairs += [(h, t) for h, t, _ in kept]
-        labels += [r for _, _, r in kept]
+        label_ids += [r for _, _, r in kept]
         splits[split] = torch.arange(pos, pos + len(kept))
         pos += len(kept)
     task_index = torch.tensor(pairs, dtype=torch.long).t().contiguous()
     train_pairs = torch.unique(task_index[:, splits["train"]], dim=1)
     edge_index = _undirected(train_pairs, len(entities))
-    x = _encode_unique(encoder, [nations_node_text(e) for e in entities])
-    class_texts = [nations_relation_text(r) for r in relations]
+    x = _encode_unique(encoder, [node_text(e) for e in entities])
+    class_texts = [relation_text(r) for r in relations]
     return GraphDataset(
-        name="nations", task="edge", x=x, edge_index=edge_index, task_index=task_index, y=torch.tensor(labels),
+        name=name, task="edge", x=x, edge_index=edge_index, task_index=task_index, y=torch.tensor(label_ids),
         splits=splits, class_texts=class_texts, class_emb=encoder.encode(class_texts), encoder=encoder.name,
-        labels="observed: the relation of each triple (Rummel's Dimensionality of Nations data via pykeen); "
-               "a pair with several relations appears once per relation",
+        labels=labels,
     )
 
 
@@ -316,6 +345,29 @@ def load_mutag(encoder: TextEncoder | None = None, *, seed: int = 0, root: str |
     )
 
 
+CUNEIFORM_VERTICES = ["depth point", "tail vertex", "left vertex", "right vertex"]
+CUNEIFORM_WEDGES = ["vertical", "Winkelhaken", "horizontal"]
+CUNEIFORM_SIGNS = ["tu", "ta", "ti", "nu", "na", "ni", "bu", "ba", "bi", "zu", "za", "zi", "su", "sa", "si", "hu", "ha",
+                   "hi", "du", "da", "di", "ru", "ra", "ri", "ku", "ka", "ki", "lu", "la", "li"]
+
+
+def cuneiform_node_text(vertex: int, wedge: int) -> str:
+    return f"A {CUNEIFORM_VERTICES[vertex]} of a {CUNEIFORM_WEDGES[wedge]} wedge in a handwritten cuneiform sign."
+
+
+def load_cuneiform(encoder: TextEncoder | None = None, *, seed: int = 0, root: str | os.PathLike | None = None) -> GraphDataset:
+    """Cuneiform (267 graphs of 30 Hittite cuneiform signs from nine tablets, Kriege et al. 2018;
+    TUDataset files bundled with grakel): nodes are wedge vertices (vertex kind and wedge
+    direction), graph label the sign. The 2-D coordinates (node attributes) are not used."""
+    encoder = encoder or text_encoder("minilm")
+    return load_tu_dataset(
+        Path(root) if root else samples_dir() / "Cuneiform", "Cuneiform", encoder=encoder, seed=seed,
+        node_texts=lambda labels: [cuneiform_node_text(int(v), int(w)) for v, w in np.atleast_2d(labels)],
+        class_texts=[f"The Hittite cuneiform sign {sign}." for sign in CUNEIFORM_SIGNS],
+        labels="observed: the sign each graph was drawn from (assigned manually by Hittitologists)",
+    )
+
+
 def load_graph_dir(path: str | os.PathLike, *, seed: int = 0) -> list[GraphDataset]:
     """User graphs from a directory: one ``.npz`` per graph dataset, read with ``allow_pickle=False``.
 
@@ -370,14 +422,15 @@ def load_graph_dir(path: str | os.PathLike, *, seed: int = 0) -> list[GraphDatas
     return out
 
 
-SHIPPED_DATASETS = {"karate": load_karate, "nations": load_nations, "mutag": load_mutag}
+SHIPPED_DATASETS = {"karate": load_karate, "nations": load_nations, "mutag": load_mutag, "kinships": load_kinships,
+                    "cuneiform": load_cuneiform}
 
 
 def load_dataset(name: str, encoder: TextEncoder | None = None, *, seed: int = 0) -> GraphDataset:
     """A shipped dataset by name, or the single ``.npz`` graph dataset at a path."""
     if name in SHIPPED_DATASETS:
         loader = SHIPPED_DATASETS[name]
-        return loader(encoder) if name == "nations" else loader(encoder, seed=seed)
+        return loader(encoder) if name in ("nations", "kinships") else loader(encoder, seed=seed)
     if Path(name).exists():
         found = load_graph_dir(name, seed=seed)
         if len(found) != 1:

@@ -339,6 +339,14 @@ def test_shipped_graphs_load_with_shipped_embeddings_only(monkeypatch):
     n2, n0 = int(mutag.ptr[3] - mutag.ptr[2]), int(mutag.ptr[1] - mutag.ptr[0])
     assert batch.bincount().tolist() == [n2, n0] and x.shape[0] == n2 + n0
     G.check_graph(x, ei)
+    kinships = G.load_kinships(enc)
+    # every one of the 10,686 triples is a task; message passing runs over the training pairs only
+    assert kinships.task_index.shape == (2, 10686) and kinships.num_classes == 25 and kinships.x.shape == (104, 384)
+    assert [kinships.splits[k].numel() for k in ("train", "val", "test")] == [8544, 1068, 1074]
+    assert torch.equal(kinships.x[0], kinships.x[-1])  # anonymous persons: one text, one feature row
+    cuneiform = G.load_cuneiform(enc)
+    assert cuneiform.ptr.numel() == 268 and cuneiform.x.shape == (5680, 384) and cuneiform.num_classes == 30
+    assert cuneiform.edge_index.shape == (2, 23922) and len(set(map(tuple, cuneiform.x.tolist()))) == 12
     # MiniLM embeddings: the mutagenic class text is closer to "mutagenic" wording than the karate text
     with pytest.raises(ImportError, match="domainfm\\[text\\]"):
         enc.encode(["a text that was never shipped"])
