@@ -83,7 +83,7 @@ def fim_imputation_base(**kwargs) -> FIMImputer:
     input_spec=_SPEC, defaults=dict(SMALL_KWARGS), converters={"official": convert_official_local}, head="head",
     weights=[WeightSource(
         "package://domainfm.models.fim/weights/fim-imputation-small.synthetic-prior.safetensors",
-        sha256="bcd0e60c7bf572e6856284cef63fae4590b7deb153c2d5df554e18ba464f35f9", tag="synthetic-prior",
+        sha256="825aac9d623b9e3c027e7cd1bd594be003a56c44cdef80ac2ee7b42294217180", tag="synthetic-prior",
         license="MIT", card="package://domainfm.models.fim/weights/fim-imputation-small.synthetic-prior.md",
         description="trained by domainfm, not the published weights: the official objective on domainfm's "
                     "synthetic ODE prior (configs/fim/pretrain_synthetic_prior.yaml); see the card")],

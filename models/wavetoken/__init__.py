@@ -123,7 +123,7 @@ _register_wavetoken("test", _TEST_T5, context_length=64, prediction_length=16, t
 MICRO_T5 = dict(d_model=128, num_layers=2, num_heads=4, d_kv=32, d_ff=512)
 _register_wavetoken("micro", MICRO_T5, context_length=256, prediction_length=64, weights=[WeightSource(
     "package://domainfm.models.wavetoken/weights/wavetoken-micro.kernelsynth-tsmixup.safetensors",
-    sha256="2bd11d3d0cac51569fef8f938b2b6cef69141730f79e80c73f60adf1ba7191c1", tag="kernelsynth-tsmixup",
+    sha256="923725ede9c7711266c386baf12c8b18465d0b8400a7eed0a8ec45d1fac59fdd", tag="kernelsynth-tsmixup",
     license="Apache-2.0", card="package://domainfm.models.wavetoken/weights/wavetoken-micro.kernelsynth-tsmixup.md",
     description="trained by domainfm, not the published weights: KernelSynth + TSMixup over statsmodels-bundled "
                 "series (configs/wavetoken/pretrain_micro_kernelsynth.yaml); see the card")])
