@@ -145,10 +145,12 @@ def test_embedded_default_task_is_built_from_the_shipped_recording():
     assert train.x.shape == (19 * 12, 4, 800) and val.x.shape == (9 * 12, 4, 800)
     assert torch.bincount(train.y).tolist() == [76, 76, 76]
     assert torch.isfinite(train.x).all() and 0.05 < float(train.x.std()) < 2.0  # 100 µV units
-    # the embedded default's config parses, names the pretraining stage and labels the task as constructed
+    # the embedded default's config parses, asks for the official weights (random fallback, said in the
+    # report) for the 12-layer model with no stage, and labels the task as constructed
     from domainfm import config as cfgmod
 
     cfg = cfgmod.from_dict(ft.Config, cfgmod.load_yaml(cfgmod.config_path("cbramod", "finetune")))
-    assert cfg.arms == ["pretrained", "random"] and cfg.stages[0].config == "pretrain_demo"
+    assert cfg.arms == ["pretrained", "random"] and cfg.stages == []
+    assert cfg.model.pretrained is True and cfg.model.fallback == "random" and "n_layers" not in cfg.model.kwargs
     task = ft.build_task(cfg)
     assert task.labels.startswith("constructed:") and task.n_outputs == 3 and task.info["n_chans"] == 4
