@@ -270,8 +270,9 @@ def test_reconstruction_head_comes_from_the_stage_or_is_reported_missing(tmp_pat
     saved = save_pretrained(stage_model, tmp_path / "run" / "stages" / "0-cbramod" / "model")
     (tmp_path / "run" / "stages" / "0-cbramod" / "report.json").write_text(json.dumps({"saved_model": str(saved)}))
     cfg = cfgmod.from_dict(ft.Config, cfgmod.load_yaml(cfgmod.config_path("cbramod", "finetune")))
-    cfg = cfgmod.from_dict(ft.Config, cfgmod.apply_overrides(cfgmod.to_dict(cfg), ["model.name=cbramod-test",
-                                                                                      "model.kwargs={}"]))
+    cfg = cfgmod.from_dict(ft.Config, cfgmod.apply_overrides(cfgmod.to_dict(cfg), [
+        "model.name=cbramod-test", "model.kwargs={}", "model.pretrained=null",
+        'stages=[{"family": "cbramod", "config": "pretrain_demo"}]']))
     arm_model = create_model("cbramod-test", n_chans=4, n_times=800, n_outputs=3, reconstruction_head=False).eval()
     ctx = SimpleNamespace(cfg=cfg, run_dir=tmp_path / "run" / "random" / "seed1", model=arm_model,
                           task=TaskData(None, None), init=InitInfo("random"))

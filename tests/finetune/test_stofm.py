@@ -102,7 +102,7 @@ def test_cli_lora_finetune_with_a_pretraining_stage(tmp_path, tissue):
     stage = ["model.name=stofm-test", "model.kwargs={}", "data.cell_encoder.name=stofm-cell-encoder-test",
              "data.cell_encoder.kwargs={}", f"data.slices=[{path}]", "data.cells_per_subslice=120",
              "train.max_steps=2", "train.progress=false"]
-    rc = main(["finetune", "stofm", "model.name=stofm-test", "model.kwargs={}", "adapt.mode=lora",
+    rc = main(["finetune", "stofm", "model.name=stofm-test", "model.kwargs={}", "adapt.mode=lora", "arms=[pretrained, random]",
                "data.cell_encoder.name=stofm-cell-encoder-test", "data.cell_encoder.kwargs={}", f"data.path={path}",
                "data.cells_per_subslice=120", "train.max_epochs=2", "pca_components=10",
                "stages=" + json.dumps([{"family": "stofm", "config": "pretrain", "overrides": stage}]),
