@@ -6,6 +6,7 @@ from (``labels``: observed, or constructed and how).
 """
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -430,7 +431,9 @@ def load_dataset(name: str, encoder: TextEncoder | None = None, *, seed: int = 0
     """A shipped dataset by name, or the single ``.npz`` graph dataset at a path."""
     if name in SHIPPED_DATASETS:
         loader = SHIPPED_DATASETS[name]
-        return loader(encoder) if name in ("nations", "kinships") else loader(encoder, seed=seed)
+        # knowledge graphs keep pykeen's fixed splits: their loaders take no seed
+        takes_seed = "seed" in inspect.signature(loader).parameters
+        return loader(encoder, seed=seed) if takes_seed else loader(encoder)
     if Path(name).exists():
         found = load_graph_dir(name, seed=seed)
         if len(found) != 1:

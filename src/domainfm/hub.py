@@ -1298,8 +1298,8 @@ def create_model(
     name = str(name)
     base, tag = zoo.split_tag(name)
     model = zoo.build_model(base, **kwargs)
-    if pretrained is True and tag is not None:
-        pretrained = zoo.weight_source(name).url  # "<model>.<tag>": that tag's source
+    if pretrained is True and tag is not None:  # "<model>.<tag>": that tag's source
+        pretrained = next(w.url for w in zoo.get_card(base).weights if w.tag == tag)
     if pretrained is not False and pretrained is not None:
         load_pretrained(model, pretrained, card=base, converter=converter, sha256=sha256, strict=strict, progress=progress)
     return model

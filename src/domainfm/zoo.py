@@ -330,8 +330,7 @@ def split_tag(name: str) -> tuple[str, str | None]:
     _ensure_name_imported(name)
     if name in _REGISTRY or "." not in name:
         return name, None
-    base, tag = name.rsplit(".", 1)
-    _ensure_name_imported(base)
+    base, tag = name.rsplit(".", 1)  # _ensure_name_imported(name) has imported base's family
     card = _REGISTRY.get(base)
     if card is None:
         return name, None

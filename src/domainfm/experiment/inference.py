@@ -14,12 +14,17 @@ __all__ = ["add_model_arguments", "load_model", "resolve_model_dir", "run_config
            "positive_float", "unit_interval", "quantile_levels"]
 
 
+def _number(text: str, cast: type, noun: str):
+    """``cast(text)``, or argparse's error naming the text and what was expected."""
+    try:
+        return cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (0 and negatives are refused, never read as 'the default')."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _number(text, int, "an integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
     return value
@@ -27,10 +32,7 @@ def positive_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text, float, "a number")
     if not 0.0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{value}: must be a finite number > 0")
     return value
@@ -38,10 +40,7 @@ def positive_float(text: str) -> float:
 
 def unit_interval(text: str) -> float:
     """argparse type: a fraction in [0, 1) (an overlap of 1 would never advance)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text, float, "a number")
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"{value}: must lie in [0, 1)")
     return value
@@ -51,10 +50,7 @@ def quantile_levels(text: str) -> list[float]:
     """argparse type: comma-separated quantile levels, each strictly between 0 and 1."""
     levels = []
     for part in (p.strip() for p in text.split(",")):
-        try:
-            level = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not a number (expected levels like 0.1,0.5,0.9)") from None
+        level = _number(part, float, "a number (expected levels like 0.1,0.5,0.9)")
         if not 0.0 < level < 1.0:
             raise argparse.ArgumentTypeError(f"{level}: a quantile level must lie strictly between 0 and 1")
         levels.append(level)
