@@ -187,7 +187,8 @@ def test_good_precision_reaches_the_family(toy_apply, capsys):
 def test_bad_precision_in_config_override_or_environment_is_one_line(toy_apply, monkeypatch, capsys):
     assert cli.main([*toy_apply.argv("finetune"), "train.precision=fp8"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("domainfm finetune: error: train: train.precision='fp8': expected one of")
+    assert err[0].startswith("domainfm finetune: error: train.precision='fp8': expected one of")
+    assert err[0].endswith("(set in override 'train.precision=fp8')")
     monkeypatch.setenv("DOMAINFM_PRECISION", "fp8")
     for command in ("predict", "embed", "finetune"):
         assert cli.main(toy_apply.argv(command)) == 2

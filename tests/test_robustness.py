@@ -32,8 +32,15 @@ class ToyModel:
 
 
 @dataclasses.dataclass
+class ToyData:
+    seed: int = 0
+    target: str = "label"
+
+
+@dataclasses.dataclass
 class ToyConfig:
     model: ToyModel = dataclasses.field(default_factory=ToyModel)
+    data: ToyData = dataclasses.field(default_factory=ToyData)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     fail: bool = False
 
@@ -142,6 +149,62 @@ def test_failed_resume_leaves_config_and_meta_unchanged(toy_family, capsys):
     assert toy_family("train.resume=true", "fail=true") == 2
     assert (toy_family.folder() / "config.yaml").read_bytes() == config
     assert (toy_family.folder() / "run.json").read_bytes() == meta
+
+
+def test_resume_refuses_a_changed_task_data_or_optimiser_and_names_them(toy_family, capsys):
+    assert toy_family() == 0
+    before = _snapshot(toy_family.folder())
+    for override, key in [("data.target=short_sleep", "data.target"), ("data.seed=7", "data.seed"),
+                          ("train.lr=0.5", "train.lr"), ("fail=false", None)]:
+        code = toy_family("train.resume=true", "train.max_epochs=3", override)
+        err = capsys.readouterr().err
+        if key is None:  # an unchanged value is no change
+            assert code == 0, err
+            continue
+        assert code == 2 and key in err and "train.resume_changed=true" in err, err
+        assert _snapshot(toy_family.folder()) == before  # refused before anything was written
+    # training longer is what resume is for
+    meta = json.loads((toy_family.folder() / "run.json").read_text())
+    assert meta["resumes"][-1]["changed"] == []
+
+
+def test_an_explicit_resume_changed_is_recorded_in_the_run_and_its_report(toy_family, capsys):
+    assert toy_family() == 0
+    assert toy_family("train.resume=true", "train.max_epochs=3", "data.seed=7", "train.resume_changed=true") == 0, \
+        capsys.readouterr().err
+    meta = json.loads((toy_family.folder() / "run.json").read_text())
+    report = json.loads((toy_family.folder() / "report.json").read_text())
+    assert meta["resumes"][-1]["changed"] == ["data.seed: 0 in config.yaml, 7 now"]
+    assert report["resume_changed"] == ["data.seed: 0 in config.yaml, 7 now"]
+    # the architecture stays locked even then
+    assert toy_family("train.resume=true", "model.hidden=32", "train.resume_changed=true") == 2
+    assert "model.hidden" in capsys.readouterr().err
+
+
+def test_a_schedule_typo_given_as_override_is_blamed_on_the_override(toy_family, capsys):
+    assert toy_family("train.schedule=foo") == 2
+    err = capsys.readouterr().err
+    assert "train.schedule='foo'" in err and "override" in err and "toy.yaml" not in err, err
+    assert not toy_family.folder().exists()
+
+
+def test_unwritable_runs_dir_and_outputs_are_one_line_errors_naming_the_path(toy_family, tmp_path, capsys):
+    runs_file = tmp_path / "runs_is_a_file"
+    runs_file.write_text("x")
+    code = cli.main(["finetune", "dfmtoy", "--config", str(tmp_path / "toy.yaml"), "--runs-dir", str(runs_file)])
+    err = capsys.readouterr().err
+    assert code == 2 and str(runs_file) in err and "Traceback" not in err, err
+    # an OSError from a reader that names no file is reported against --input
+    import argparse
+
+    message = cli._one_line_message(OSError("Unable to open file (file signature not found)"),
+                                    argparse.Namespace(input="cells.h5ad"))
+    assert message == "cells.h5ad: Unable to open file (file signature not found)"
+    message = cli._one_line_message(PermissionError(13, "Permission denied", "/ro/out.csv"), argparse.Namespace())
+    assert message == "/ro/out.csv: Permission denied"
+    import pandas as pd
+
+    assert cli.is_user_error(pd.errors.EmptyDataError("No columns to parse from file"))
 
 
 def test_new_run_that_fails_before_producing_anything_leaves_the_name_free(toy_family, capsys):

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["atomic_path", "atomic_write_text", "atomic_write_bytes", "atomic_write_json", "atomic_torch_save",
+__all__ = ["atomic_path", "atomic_paths", "atomic_write_text", "atomic_write_bytes", "atomic_write_json", "atomic_torch_save",
            "remove_stale_temps", "TMP_MARK"]
 
 TMP_MARK = ".tmp-"
@@ -43,6 +43,18 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
             # (only those bare errors: a caller's own exception types pass through unchanged)
             raise OSError(f"cannot write {path}: {exc}") from exc
         raise
+
+
+@contextlib.contextmanager
+def atomic_paths(*paths: str | os.PathLike | None) -> Iterator[list[Path | None]]:
+    """Several outputs committed together: yield one temporary path per target (``None`` stays
+    ``None``, for an optional output); only when the block succeeds are they renamed onto their
+    targets, so a failure while writing the second file (an unwritable ``--plot``) leaves none of
+    them behind. Each temporary keeps its target's extension (writers such as matplotlib and
+    numpy choose the format by it)."""
+    with contextlib.ExitStack() as stack:
+        tmps = [None if p is None else stack.enter_context(atomic_path(p, suffix=Path(p).suffix)) for p in paths]
+        yield tmps
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

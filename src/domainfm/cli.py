@@ -140,9 +140,10 @@ def _run_family(kind: str, args) -> int:
             "  -> drop train.resume=true to start a new run, or name the run to continue with --name")
     folder = RunFolder.create(path, resume=resume)  # refuses a used name, or a folder in use
     try:
+        changed: list[str] = []
         if resume:
             # the run's config.yaml and run.json stay as they are until the resumed run succeeds
-            _check_resume_config(folder, cfg)
+            changed = _check_resume_config(folder, cfg)
         else:
             folder.write_config(cfg)
             folder.write_meta(family=args.family, kind=kind, name=name, config_source=str(config_file),
@@ -159,10 +160,12 @@ def _run_family(kind: str, args) -> int:
         report.setdefault("family", args.family)
         report.setdefault("kind", kind)
         report["wall_time_s"] = round(time.perf_counter() - start, 2)
+        if changed:
+            report["resume_changed"] = changed
         if resume:
             meta = folder.read_meta()
             meta["resumes"] = list(meta.get("resumes", [])) + [
-                {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": list(args.overrides)}]
+                {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": list(args.overrides), "changed": changed}]
             folder.write_config(cfg)
             folder.write_json(folder.meta_file.name, meta)
         folder.write_report(report)
@@ -196,12 +199,20 @@ def _print_outputs(run_dir: Path, report: dict) -> None:
         print(f"picture {name}: {shown}")
 
 
-#: config sections whose change makes a checkpoint unusable (the architecture and its adaptation)
+#: config sections whose change makes a checkpoint unusable (the architecture and its adaptation):
+#: never changed by a resume
 _RESUME_FIXED = ("model", "adapt", "stages", "arms")
+#: the keys a resume may change freely: how long to train and how to log it, never what is trained
+_RESUME_FREE = frozenset({"train.resume", "train.resume_changed", "train.max_epochs", "train.max_steps",
+                          "train.progress", "train.log_every_steps", "train.checkpoint_every_steps",
+                          "train.num_workers", "train.loggers", "train.eval_batch_size"})
 
 
-def _check_resume_config(folder, cfg) -> None:
-    """Refuse a resume whose config changes what the checkpoints were trained as."""
+def _check_resume_config(folder, cfg) -> list[str]:
+    """Refuse a resume whose config changes what the checkpoints were trained as (any section
+    other than the free keys above: the task, the data, the optimiser); with
+    ``train.resume_changed=true`` the data/task/optimiser changes are accepted and returned, to
+    be recorded, but the architecture stays locked."""
     import yaml
 
     from domainfm import config as cfgmod
@@ -211,15 +222,19 @@ def _check_resume_config(folder, cfg) -> None:
         raise RunFolderError(f"train.resume=true but {folder.path} has no config.yaml to resume")
     saved = yaml.safe_load(folder.config_file.read_text()) or {}
     now = cfgmod.to_dict(cfg)
-    changed = []
-    for section in _RESUME_FIXED:
-        if section in now or section in saved:
-            changed += _diff(saved.get(section), now.get(section), section)
-    if changed:
+    fixed, other = [], []
+    for section in sorted(set(now) | set(saved), key=str):
+        diffs = [d for d in _diff(saved.get(section), now.get(section), section) if d.split(":")[0] not in _RESUME_FREE]
+        (fixed if section in _RESUME_FIXED else other).extend(diffs)
+    allow = bool(getattr(getattr(cfg, "train", None), "resume_changed", False))
+    refused = fixed + ([] if allow else other)
+    if refused:
+        hint = ("  -> resume with the run's own settings (its config.yaml), or start a new run with another --name"
+                + ("" if fixed else "; train.resume_changed=true accepts the change and records it in the run"))
         raise RunFolderError(
             f"cannot resume {folder.path}: the config changes what its checkpoints were trained as ("
-            + "; ".join(changed[:5]) + (" ..." if len(changed) > 5 else "") + ")\n"
-            "  -> resume with the run's own settings (its config.yaml), or start a new run with another --name")
+            + "; ".join(refused[:5]) + (" ..." if len(refused) > 5 else "") + ")\n" + hint)
+    return other
 
 
 def _diff(old, new, where: str) -> list[str]:
@@ -410,23 +425,47 @@ def _user_error_types() -> tuple[type, ...]:
     from domainfm import hub
     from domainfm.config import ConfigError
     from domainfm.engine import ResumeError
+    from domainfm.errors import InputError
     from domainfm.experiment import RunFolderError, WeightsUnavailable
     from domainfm.precision import PrecisionError
     from domainfm.zoo import UnknownModelError
 
-    return (ConfigError, RunFolderError, ResumeError, WeightsUnavailable, hub.HubError, FileNotFoundError,
-            UnknownModelError, PrecisionError)
+    # OSError covers what the readers raise about a file they cannot read (h5py's "file signature
+    # not found", rasterio's RasterioIOError) and an output path that is read-only, a folder or a
+    # file standing where a folder must be
+    return (ConfigError, RunFolderError, ResumeError, WeightsUnavailable, hub.HubError, OSError,
+            UnknownModelError, PrecisionError, InputError)
+
+
+def _is_reader_error(exc: BaseException) -> bool:
+    """pandas' parser errors (an empty or malformed CSV): ValueError subclasses from pandas."""
+    return isinstance(exc, ValueError) and type(exc).__module__.startswith("pandas")
 
 
 def is_user_error(exc: BaseException) -> bool:
     """Errors about the user's input (config, data, weights, run folder, model name, precision):
     reported in one line, not as a traceback. Data errors are the ``ValueError`` subclasses the
     data loaders define; a precision no one accepts is :class:`domainfm.precision.PrecisionError`."""
-    if isinstance(exc, _user_error_types()):
+    if isinstance(exc, _user_error_types()) or _is_reader_error(exc):
         return True
     return isinstance(exc, ValueError) and any(
         c.__module__.startswith(("domainfm.data_loaders", "data_loaders")) for c in type(exc).__mro__
         if issubclass(c, ValueError) and c is not ValueError)
+
+
+def _one_line_message(exc: BaseException, args) -> str:
+    """The message of a user error, naming the file: an OSError's own file name when it has one,
+    else (a reader's error about the input's contents) the ``--input`` the command was given."""
+    message = str(exc).strip() or type(exc).__name__
+    filename = getattr(exc, "filename", None) if isinstance(exc, OSError) else None
+    if filename is not None:
+        if exc.strerror:  # "[Errno 13] Permission denied: 'x'" -> "x: Permission denied"
+            return f"{filename}: {exc.strerror}"
+        return message if str(filename) in message else f"{filename}: {message}"
+    source = getattr(args, "input", None)
+    if (isinstance(exc, OSError) or _is_reader_error(exc)) and source and str(source) not in message:
+        message = f"{source}: {message}"
+    return message
 
 
 _DEBUG_HINT = "  (run again with --debug for the traceback)"
@@ -453,9 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - user errors become one line; anything else propagates
         if debug or not is_user_error(exc):
             raise
-        message = str(exc).strip() or type(exc).__name__
-        if isinstance(exc, FileNotFoundError) and exc.filename and exc.filename not in message:
-            message = f"{message}: {exc.filename}"
+        message = _one_line_message(exc, args)
         first, *rest = message.splitlines()
         print(f"domainfm {args.command}: error: {first}", file=sys.stderr)
         for line in rest:

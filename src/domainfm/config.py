@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -285,7 +286,15 @@ def from_dict(cls: type, values: Mapping[str, Any], where: str = "") -> Any:
     except ConfigError:
         raise
     except (TypeError, ValueError) as exc:  # a section's own checks (__post_init__) name the key
-        raise ConfigError(f"{where or cls.__name__}: {exc}" if where else str(exc)) from None
+        message = str(exc)
+        error = ConfigError(message if where and message.startswith(f"{where}.") else
+                            f"{where}: {message}" if where else message)
+        # the key the check names says where its value came from (an override, not the section's file)
+        named = [k for k in kwargs if k in origins and re.search(rf"(^|[.\s]){re.escape(k)}=", message)]
+        if named:
+            error = ConfigError(f"{error} (set in {origins[named[0]]})")
+            error.located = True
+        raise error from None
 
 
 def to_dict(obj: Any) -> Any:

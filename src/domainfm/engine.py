@@ -137,6 +137,10 @@ class TrainConfig:
     drop_last: bool = True
     progress: bool = True
     resume: bool = False
+    #: with ``resume``: accept a config whose data, task or optimisation differ from the run's
+    #: (the run's ``run.json`` and report record what changed); the model, adaptation, stages and
+    #: arms stay locked
+    resume_changed: bool = False
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
