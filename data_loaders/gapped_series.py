@@ -8,9 +8,13 @@ A *gapped series* is one set of (possibly irregular) time points shared by its c
 * CSV or Parquet files, or pandas DataFrames.
 
 Times may be numbers or timestamps (converted to days since the first time point, recorded in
-``time_origin`` / ``time_unit`` so imputed values can be written back with the original stamps).
-Errors name the file, the column and the row: unsorted or duplicate times, non-finite times, a
-channel without any observation, and (:func:`check_windows`) a FIM-ℓ window without one.
+``time_origin`` / ``time_unit``). Each row's time as the source wrote it is kept in
+``time_labels`` and written back unchanged by :func:`to_dataframe`, so output rows carry the input's
+stamps, UTC offset included. A column with several UTC offsets (a daylight-saving change) is put on
+one clock (UTC) for the model; stamps with and without an offset in one column are refused (the
+naive ones name no instant). Errors name the file, the column and the row: an empty file or one
+without data rows, unsorted or duplicate times, non-finite times, a channel with fewer than two
+observations, and (:func:`check_windows`) a FIM-ℓ window with fewer than two.
 
 **Shapes:** :meth:`GappedSeries.tensors` -> ``times (T,)``, ``values (T, D)`` (NaN at gaps),
 ``observed (T, D)`` bool.
@@ -18,6 +22,7 @@ channel without any observation, and (:func:`check_windows`) a FIM-ℓ window wi
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -46,6 +51,8 @@ class GappedSeries:
     time_column: str = "time"
     time_origin: pd.Timestamp | None = None
     time_unit: str = "day"
+    #: each row's time as the source gave it (a CSV cell's text), written back by :func:`to_dataframe`
+    time_labels: np.ndarray | None = None
     info: dict = field(default_factory=dict)
 
     @property
@@ -73,22 +80,82 @@ def _where(source: str, column: str | None = None, row: int | None = None) -> st
     return ", ".join(parts)
 
 
+def _first_odd_stamp(raw: pd.Series) -> tuple[int, str | None]:
+    """Position of the first cell that is not a timestamp (``"not a stamp"``), or whose UTC offset
+    is present where the first stamp's is absent or the reverse (``"offset"``); ``(0, None)`` when
+    none stands out. Cell by cell: only for error messages."""
+    aware = None
+    for i, cell in enumerate(raw):
+        if pd.isna(cell):
+            continue
+        try:
+            stamp = pd.Timestamp(cell)
+        except (ValueError, TypeError):
+            return i, "not a stamp"
+        if aware is None:
+            aware = stamp.tzinfo is not None
+        elif (stamp.tzinfo is not None) != aware:
+            return i, "offset"
+    return 0, None
+
+
+def _offset_error(raw: pd.Series, source: str, column: str, rows: np.ndarray, bad: int) -> GappedSeriesError:
+    return GappedSeriesError(f"{_where(source, column, int(rows[bad]))}: {raw.iloc[bad]!r} and {raw.dropna().iloc[0]!r} "
+                             "differ in having a UTC offset; give every stamp an offset, or none (a stamp without "
+                             "one names no instant next to those with one)")
+
+
+def _parse_stamps(raw: pd.Series, source: str, column: str, rows: np.ndarray) -> pd.Series:
+    """Timestamps of a column: as they are without an offset or with one offset; on one clock (UTC)
+    when the offsets differ between rows (pandas 2 gives objects, pandas 3 an error, unless asked
+    for UTC). Raises ``ValueError``/``TypeError`` when the column is not timestamps, and
+    :class:`GappedSeriesError` naming the row when offsets are present on some stamps only."""
+    if pd.api.types.is_datetime64_any_dtype(raw):
+        return raw
+    mixed = None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*mixed time zones.*", category=FutureWarning)
+        try:
+            stamps = pd.to_datetime(raw, errors="raise")
+            if stamps.dtype != object:
+                return stamps
+        except ValueError as exc:
+            mixed = exc
+    try:
+        stamps = pd.to_datetime(raw, errors="raise", utc=True)
+    except (ValueError, TypeError):
+        bad, why = _first_odd_stamp(raw)
+        if why == "offset":
+            raise _offset_error(raw, source, column, rows, bad) from None
+        if mixed is not None:
+            raise mixed from None
+        raise
+    # utc=True reads a stamp without offset as UTC: refuse rather than guess its clock
+    bad, why = _first_odd_stamp(raw)
+    if why == "offset":
+        raise _offset_error(raw, source, column, rows, bad)
+    return stamps
+
+
 def _times(raw: pd.Series, source: str, column: str, rows: np.ndarray) -> tuple[np.ndarray, pd.Timestamp | None]:
     origin = None
-    if pd.api.types.is_datetime64_any_dtype(raw) or raw.dtype == object:
+    if pd.api.types.is_datetime64_any_dtype(raw) or pd.api.types.is_string_dtype(raw.dtype):  # object, or pandas 3's str
         try:
-            stamps = pd.to_datetime(raw, errors="raise") if raw.dtype == object else raw
+            stamps = _parse_stamps(raw, source, column, rows)
         except (ValueError, TypeError) as exc:
+            if isinstance(exc, GappedSeriesError):
+                raise
             numeric = pd.to_numeric(raw, errors="coerce")
-            bad = int(np.flatnonzero(numeric.isna().to_numpy())[0]) if numeric.isna().any() else 0
+            if numeric.notna().any() and numeric.isna().any():  # numbers with a stray cell
+                bad = int(np.flatnonzero(numeric.isna().to_numpy())[0])
+            else:  # stamps with a stray cell
+                bad = _first_odd_stamp(raw)[0]
             raise GappedSeriesError(f"{_where(source, column, int(rows[bad]))}: {raw.iloc[bad]!r} is neither a number "
                                     f"nor a timestamp ({exc})") from None
-        if getattr(stamps.dt, "tz", None) is not None:
-            stamps = stamps.dt.tz_convert("UTC").dt.tz_localize(None)
         if stamps.isna().any():
             bad = int(np.flatnonzero(stamps.isna().to_numpy())[0])
             raise GappedSeriesError(f"{_where(source, column, int(rows[bad]))}: missing timestamp")
-        origin = stamps.iloc[0]
+        origin = stamps.iloc[0]  # keeps the column's offset (UTC when it had several), for plots and messages
         times = ((stamps - origin) / pd.Timedelta(days=1)).to_numpy(dtype=np.float64)
     else:
         times = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64)
@@ -109,8 +176,9 @@ def _times(raw: pd.Series, source: str, column: str, rows: np.ndarray) -> tuple[
 
 
 def _build(df: pd.DataFrame, *, source: str, time: str, channels: Sequence[str], item_id: str,
-           rows: np.ndarray) -> GappedSeries:
+           rows: np.ndarray, labels: np.ndarray | None = None) -> GappedSeries:
     times, origin = _times(df[time], source, time, rows)
+    labels = df[time].to_numpy() if labels is None else labels
     values = np.empty((len(df), len(channels)), dtype=np.float64)
     for j, name in enumerate(channels):
         col = pd.to_numeric(df[name], errors="coerce")
@@ -120,12 +188,21 @@ def _build(df: pd.DataFrame, *, source: str, time: str, channels: Sequence[str],
             raise GappedSeriesError(f"{_where(source, name, int(rows[i]))}: {df[name].iloc[i]!r} is not a number "
                                     "(leave the cell empty or NaN for a gap)")
         values[:, j] = col.to_numpy(dtype=np.float64)
-        if not np.isfinite(values[:, j]).any():
-            raise GappedSeriesError(f"{_where(source, name)}: no observed value in channel {name!r}"
-                                    + (f" of item {item_id!r}" if item_id != "series" else ""))
+        seen = np.flatnonzero(np.isfinite(values[:, j]))
+        of_item = f" of item {item_id!r}" if item_id != "series" else ""
+        if not len(seen):
+            raise GappedSeriesError(f"{_where(source, name)}: no observed value in channel {name!r}{of_item}")
+        if len(seen) == 1:
+            # Refused rather than filled: FIM scales each channel by the range of its observed
+            # times and values, which one point leaves at zero (the model's output turns to inf);
+            # a constant fill would be a rule of ours passed off as FIM's path, with no std to
+            # give it. Same stance as a channel with no observation.
+            raise GappedSeriesError(f"{_where(source, name)}: only one observed value (row {int(rows[seen[0]])}) in "
+                                    f"channel {name!r}{of_item}; imputation needs at least two observed points per "
+                                    "channel (drop the column or add observations)")
     values[~np.isfinite(values)] = np.nan  # inf counts as missing, like NaN
     return GappedSeries(times=times, values=values, channels=list(channels), item_id=item_id, source=source,
-                        time_column=time, time_origin=origin)
+                        time_column=time, time_origin=origin, time_labels=np.asarray(labels, dtype=object))
 
 
 def from_dataframe(df: pd.DataFrame, *, time: str | None = None, channels: Sequence[str] | None = None,
@@ -142,6 +219,9 @@ def from_dataframe(df: pd.DataFrame, *, time: str | None = None, channels: Seque
     """
     if layout not in {"auto", "wide", "long"}:
         raise GappedSeriesError(f"layout={layout!r}: expected 'auto', 'wide' or 'long'")
+    if len(df) == 0:
+        raise GappedSeriesError(f"{source}: no data rows (columns: {list(df.columns)}); expected a time column, "
+                                "one column per channel and at least two rows")
     df = df.copy()
     if time is None:
         time = next((c for c in ("time", "timestamp", "date", "t", "ds") if c in df.columns), None)
@@ -156,9 +236,12 @@ def from_dataframe(df: pd.DataFrame, *, time: str | None = None, channels: Seque
         for col in (channel, value):
             if col not in df.columns:
                 raise GappedSeriesError(f"{source}: long layout needs a {col!r} column (columns: {list(df.columns)})")
-        if pd.api.types.is_object_dtype(df[time]):
+        df["__time_text__"] = df[time]
+        if pd.api.types.is_string_dtype(df[time].dtype):
             try:
-                df[time] = pd.to_datetime(df[time], errors="raise")
+                df[time] = _parse_stamps(df[time], source, time, df["__row__"].to_numpy())
+            except GappedSeriesError:
+                raise
             except (ValueError, TypeError):
                 pass  # numbers as text: _times reports the bad cell
         groups = df.groupby(item_id, sort=False) if item_id in df.columns else [("series", df)]
@@ -171,9 +254,10 @@ def from_dataframe(df: pd.DataFrame, *, time: str | None = None, channels: Seque
                                         f"{part[time].iloc[i]!r} for channel {part[channel].iloc[i]!r}")
             wide = part.pivot(index=time, columns=channel, values=value)  # sorted by time
             rows = part.groupby(time)["__row__"].min().reindex(wide.index).to_numpy()
+            labels = part.groupby(time)["__time_text__"].first().reindex(wide.index).to_numpy()
             wide = wide.reset_index()
             out.append(_build(wide, source=source, time=time, channels=[str(c) for c in wide.columns[1:]],
-                              item_id=str(key), rows=rows))
+                              item_id=str(key), rows=rows, labels=labels))
         return out
     if channels is None:
         channels = [c for c in df.columns if c not in (time, "__row__", item_id)]
@@ -203,27 +287,35 @@ def read_series(path: str | os.PathLike | pd.DataFrame, **kwargs) -> list[Gapped
             df = pd.read_csv(path)
         else:
             raise GappedSeriesError(f"{path}: unsupported file type {suffix!r}; expected .csv or .parquet")
+    except pd.errors.EmptyDataError:
+        raise GappedSeriesError(f"{path}: empty file; expected a header line (a time column and one column per "
+                                "channel) and data rows") from None
     except (pd.errors.ParserError, UnicodeDecodeError, OSError) as exc:
         raise GappedSeriesError(f"{path}: could not be read as {suffix[1:]} ({exc})") from exc
     return from_dataframe(df, source=str(path), **kwargs)
 
 
 def check_windows(series: GappedSeries, windows: int, overlap: float = 0.25) -> None:
-    """Raise if a FIM-ℓ window of ``series`` has no observed point in some channel."""
+    """Raise if a FIM-ℓ window of ``series`` has fewer than two observed points in some channel
+    (each window is scaled by the range of its observed times and values: one point leaves it zero)."""
     from domainfm.models.fim import balanced_windows, overlapping_window_slices
 
     size, stride = balanced_windows(len(series.times), windows, overlap)
     for w, (s, e) in enumerate(overlapping_window_slices(len(series.times), windows, size, stride).tolist()):
         for j, name in enumerate(series.channels):
-            if not np.isfinite(series.values[s:e, j]).any():
+            seen = int(np.isfinite(series.values[s:e, j]).sum())
+            if seen < 2:
                 t0, t1 = series.timestamps(series.times[[s, e - 1]])
+                what = "no observed point" if not seen else "only one observed point (at least two needed)"
                 raise GappedSeriesError(f"{series.source}, column {name!r}: window {w} of {windows} (rows {s}..{e - 1}, "
-                                        f"times {t0}..{t1}) has no observed point; use fewer windows")
+                                        f"times {t0}..{t1}) has {what}; use fewer windows")
 
 
 def to_dataframe(series: GappedSeries, values: np.ndarray, std: np.ndarray) -> pd.DataFrame:
-    """Imputed table: time, then per channel the value, its std and whether it was observed."""
-    out = {series.time_column: series.timestamps()}
+    """Imputed table: time (each row's as the source gave it), then per channel the value, its std
+    and whether it was observed."""
+    stamps = series.time_labels if series.time_labels is not None else series.timestamps()
+    out = {series.time_column: stamps}
     for j, name in enumerate(series.channels):
         out[name] = values[:, j]
         out[f"{name}_std"] = std[:, j]

@@ -380,6 +380,24 @@ run, evaluate = FAMILY.run, FAMILY.evaluate
 
 # --------------------------------------------------------------------------- predict
 
+def _check_output_paths(output: Path, plot: Path) -> None:
+    """Refuse output paths that cannot be written, naming the option: a folder where the file
+    goes, a regular file where a folder must be, or the plot on the CSV's own path."""
+    from domainfm.errors import InputError
+
+    if output.resolve() == plot.resolve():
+        raise InputError(f"--output {output} and --plot {plot} are the same file (the default plot is OUTPUT "
+                         "with .png); give --plot another path")
+    for option, path in (("--output", output), ("--plot", plot)):
+        if path.is_dir():
+            raise InputError(f"{option} {path}: is a folder; expected a file path")
+        for parent in path.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise InputError(f"{option} {path}: {parent} is a file, not a folder")
+                break
+
+
 def predict_main(argv: list[str]) -> int:
     """``domainfm predict fim --input series.csv --output imputed.csv [--model NAME_OR_DIR] [--pretrained SRC]``."""
     import matplotlib
@@ -388,7 +406,7 @@ def predict_main(argv: list[str]) -> int:
     import matplotlib.pyplot as plt
 
     from domainfm import create_model
-    from domainfm.atomic import atomic_path, atomic_write_text
+    from domainfm.atomic import atomic_paths
     from domainfm.data_loaders.gapped_series import check_windows, read_series, to_dataframe
 
     parser = argparse.ArgumentParser(prog="domainfm predict fim",
@@ -406,6 +424,8 @@ def predict_main(argv: list[str]) -> int:
     parser.add_argument("--plot", default=None, help="PNG path (default: OUTPUT with .png)")
     args = parser.parse_args(argv)
 
+    plot = Path(args.plot) if args.plot else Path(args.output).with_suffix(".png")
+    _check_output_paths(Path(args.output), plot)  # before the model runs, and before anything is written
     series = read_series(args.input, time=args.time)
     from domainfm.experiment.inference import resolve_model_dir
 
@@ -417,7 +437,6 @@ def predict_main(argv: list[str]) -> int:
         model = create_model(args.model, pretrained=pretrained)
     model = model.double().eval()
     frames = []
-    plot = Path(args.plot) if args.plot else Path(args.output).with_suffix(".png")
     fig, axes = plt.subplots(sum(len(s.channels) for s in series), 1, squeeze=False,
                              figsize=(9, 2.6 * sum(len(s.channels) for s in series)))
     k = 0
@@ -445,10 +464,12 @@ def predict_main(argv: list[str]) -> int:
     import pandas as pd
 
     table = pd.concat(frames, ignore_index=True)
-    atomic_write_text(args.output, table.to_csv(index=False))
     fig.tight_layout()
-    with atomic_path(plot) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    try:  # committed together: a failing plot leaves no CSV behind, and the reverse
+        with atomic_paths(args.output, plot) as (tmp_out, tmp_plot):
+            tmp_out.write_text(table.to_csv(index=False), encoding="utf-8")
+            fig.savefig(tmp_plot, format="png", dpi=110)
+    finally:
+        plt.close(fig)
     print(f"imputed {sum(int((~s.observed).sum()) for s in series)} missing values -> {args.output}; plot -> {plot}")
     return 0

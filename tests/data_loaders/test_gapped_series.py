@@ -43,6 +43,10 @@ def test_long_layout_and_parquet_and_dataframe(tmp_path):
     ("time,x\n0,1\ninf,2\n", r"row 3: time inf is not finite"),
     ("time,x\n0,\n1,\n", r"s.csv, column 'x': no observed value"),
     ("time,x\n0,1\n1,abc\n", r"s.csv, column 'x', row 3: 'abc' is not a number"),
+    # one point defines no time or value range (FIM scales by both): refused, not imputed as inf
+    ("time,x,y\n0,1,\n1,2,5\n2,,\n", r"s.csv, column 'y': only one observed value \(row 3\) in channel 'y'; .*at least two"),
+    ("", r"s.csv: empty file"),
+    ("time,x\n", r"s.csv: no data rows"),
 ])
 def test_bad_inputs_name_file_column_row(tmp_path, text, match):
     path = tmp_path / "s.csv"
@@ -58,6 +62,30 @@ def test_window_without_observation_is_named(tmp_path):
     check_windows(s, 2)
     with pytest.raises(GappedSeriesError, match=r"mem, column 'x': window 1 of 4 \(rows 10..20"):
         check_windows(s, 4, overlap=0.1)
+
+
+def test_window_with_one_observation_is_named():
+    x = np.arange(40.0)
+    x[10:21] = np.nan
+    x[15] = 1.0  # window 1 (rows 10..20) sees one point: its time range is 0, FIM's scaling blows up
+    (s,) = read_series(pd.DataFrame({"time": np.arange(40.0), "x": x}), source="mem")
+    with pytest.raises(GappedSeriesError, match=r"mem, column 'x': window 1 of 4 \(rows 10..20.*only one observed"):
+        check_windows(s, 4, overlap=0.1)
+
+
+def test_timestamps_keep_their_offset_and_text():
+    stamps = ["2024-03-31 01:00:00+01:00", "2024-03-31 03:00:00+02:00", "2024-03-31 04:00:00+02:00"]
+    (s,) = read_series(pd.DataFrame({"time": stamps, "x": [1.0, np.nan, 3.0]}), source="mem")
+    np.testing.assert_allclose(s.times * 24, [0.0, 1.0, 2.0], atol=1e-9)  # one hour apart across the change
+    assert to_dataframe(s, np.zeros((3, 1)), np.ones((3, 1)))["time"].tolist() == stamps
+    (one,) = read_series(pd.DataFrame({"time": stamps[1:], "x": [1.0, 3.0]}), source="mem")
+    back = one.timestamps()[1]  # via float days: exact to well below a microsecond, offset kept for plots
+    assert back.utcoffset() == pd.Timedelta(hours=2) and abs(back - pd.Timestamp(stamps[2])) < pd.Timedelta("1us")
+    # long layout: the rows' own text too
+    long = pd.DataFrame({"time": [stamps[2], stamps[0], stamps[1], stamps[0]], "channel": ["u", "u", "v", "v"],
+                         "value": [1.0, 2.0, 3.0, 4.0]})
+    (s,) = read_series(long, source="mem")
+    assert to_dataframe(s, np.zeros((3, 2)), np.ones((3, 2)))["time"].tolist() == stamps
 
 
 def test_shipped_co2_has_the_59_real_gaps():
