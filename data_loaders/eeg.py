@@ -11,7 +11,10 @@ The steps follow braindecode's shape (named steps on MNE objects, then windowing
 
 Errors name the file, the field and what was expected: a missing channel (with the channels the
 file has), a recording shorter than needed, a sampling rate below the target (upsampling would
-invent content), NaNs, an unreadable format.
+invent content), NaNs, an unreadable format. Warnings name the file too: channels marked bad in
+it (``info["bads"]``, e.g. a FIF) are dropped, or interpolated where the model needs them by name
+(:func:`drop_bad_channels`); an EDF/BDF shorter than its header declares is read as far as it
+goes, with the seconds read and declared.
 
 Large corpora (TUEG): :func:`write_shards` writes fixed-size ``.npy`` shards plus ``index.json``
 once; :class:`ShardDataset` memory-maps them, so every process (rank, loader worker) reads only
@@ -24,6 +27,7 @@ import importlib.resources
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -40,6 +44,7 @@ __all__ = [
     "EEGSettings",
     "normalize_channel_name",
     "read_raw",
+    "drop_bad_channels",
     "pick_channels",
     "bipolar_montage",
     "preprocess",
@@ -116,7 +121,37 @@ def read_raw(path: str | os.PathLike, *, preload: bool = True):
     except Exception as exc:  # MNE raises many types for corrupt files
         raise EEGError(f"{path}: could not be read as {suffix} ({type(exc).__name__}: {exc})") from exc
     raw.filenames_for_errors = str(path)  # MNE objects accept new attributes; used in messages below
+    if suffix in (".edf", ".bdf"):
+        _warn_if_truncated(raw, path)
     return raw
+
+
+def _edf_declared(path: Path) -> tuple[int, float] | None:
+    """(number of data records, seconds per record) from an EDF/BDF header; None where the header
+    leaves the count open (-1, a recording not closed) or cannot be read."""
+    with open(path, "rb") as f:
+        head = f.read(256)
+    try:
+        n_records, record_s = int(head[236:244].decode("ascii")), float(head[244:252].decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return (n_records, record_s) if n_records > 0 and record_s > 0 else None
+
+
+def _warn_if_truncated(raw, path: Path) -> None:
+    # MNE infers the record count from the file size when the two disagree (an interrupted copy or
+    # download, a recorder that was not stopped) and says so only as a log message, which
+    # verbose="error" silences: the missing minutes would vanish without a word
+    declared = _edf_declared(path)
+    if declared is None:
+        return
+    n_records, record_s = declared
+    declared_s, read_s = n_records * record_s, raw.n_times / raw.info["sfreq"]
+    if declared_s - read_s > 1.0 / raw.info["sfreq"]:
+        kind = path.suffix[1:].upper()
+        warnings.warn(f"{path}: truncated {kind} file: it holds {read_s:g} s of the {declared_s:g} s its header "
+                      f"declares ({n_records} data records x {record_s:g} s); only the {read_s:g} s present are used",
+                      UserWarning, stacklevel=3)
 
 
 def _where(raw) -> str:
@@ -144,6 +179,92 @@ def _resolve(raw, names: Sequence[str]) -> list[str]:
             f"with aliases T3/T7, T4/T8, T5/P7, T6/P8); the file has {raw.ch_names}"
         )
     return [index[normalize_channel_name(n)] for n in names]
+
+
+def _standard_positions() -> dict:
+    """Channel positions of the standard 10-20 montage (MNE >= 1.13 names it ``colin27_1020``)."""
+    import mne
+
+    name = "colin27_1020" if "colin27_1020" in mne.channels.get_builtin_montages() else "standard_1020"
+    return mne.channels.make_standard_montage(name).get_positions()
+
+
+def _interpolate(raw, channels: Sequence[str], where: str):
+    """``raw`` (a copy, loaded) with ``channels`` replaced by MNE's spherical-spline interpolation
+    from the good EEG channels: the file's own positions when every EEG channel has one, else the
+    standard 10-20 positions matched by name (with the T3/T7 aliases). Returns (raw, how)."""
+    import mne
+
+    eeg_names = [raw.ch_names[i] for i in mne.pick_types(raw.info, eeg=True, exclude=[])]
+    not_eeg = [ch for ch in channels if ch not in eeg_names]
+    if not_eeg:
+        raise EEGError(f"{where}: channel(s) {not_eeg} are marked bad and needed, but are not EEG channels, so they "
+                       "cannot be interpolated; choose other channels or unmark them (info['bads'])")
+    own = {ch: raw.info["chs"][raw.ch_names.index(ch)]["loc"][:3] for ch in eeg_names}
+    if all(np.isfinite(p).all() and np.abs(p).sum() > 0 for p in own.values()):
+        sub, how = raw.copy().pick(eeg_names), "from the file's channel positions"
+    else:
+        standard = _standard_positions()
+        by_name = {normalize_channel_name(k): v for k, v in standard["ch_pos"].items()}
+        ch_pos = {}
+        for ch in eeg_names:
+            key = normalize_channel_name(ch)
+            pos = by_name.get(key, by_name.get(_ALIASES.get(key, ""), None))
+            if pos is not None:
+                ch_pos[ch] = pos
+        unplaced = [ch for ch in channels if ch not in ch_pos]
+        if unplaced:
+            raise EEGError(f"{where}: channel(s) {unplaced} are marked bad and needed, but have no position (the file "
+                           "has none and the name is not a 10-20 name) to interpolate them from; set a montage, "
+                           "choose other channels or unmark them (info['bads'])")
+        sub = raw.copy().pick(list(ch_pos))
+        sub.set_montage(mne.channels.make_dig_montage(
+            ch_pos=ch_pos, nasion=standard["nasion"], lpa=standard["lpa"], rpa=standard["rpa"],
+            coord_frame=standard["coord_frame"]), verbose="error")
+        how = "from standard 10-20 positions (the file has none)"
+    sub.info["bads"] = list(channels)
+    try:
+        sub.interpolate_bads(reset_bads=True, verbose="error")
+    except Exception as exc:  # noqa: BLE001 - MNE raises several types (no digitization to fit a head sphere, ...)
+        raise EEGError(f"{where}: channel(s) {list(channels)} are marked bad and needed, but could not be interpolated "
+                       f"{how} ({type(exc).__name__}: {exc}); choose other channels or unmark them "
+                       "(info['bads'])") from exc
+    raw.load_data()
+    for ch in channels:
+        rebuilt = sub.get_data(picks=[ch])[0]
+        raw.apply_function(lambda _, rebuilt=rebuilt: rebuilt, picks=[ch], verbose="error")
+    raw.info["bads"] = [ch for ch in raw.info["bads"] if ch not in channels]
+    return raw, how
+
+
+def drop_bad_channels(raw, needed: Sequence[str] | None = None, *, notify_dropped: bool = True):
+    """Honour the channels marked bad in the recording (``raw.info["bads"]``, e.g. by a FIF file):
+    bad channels are dropped, as ``raw.pick(..., exclude="bads")``, except those in ``needed`` (the
+    channel names a model takes, in any spelling :func:`pick_channels` accepts), which are
+    rebuilt by spherical-spline interpolation from the good EEG channels (``raw.interpolate_bads``),
+    since the model's channel set is fixed. A warning names the file and the channels; with
+    ``notify_dropped=False`` only interpolations are announced (the dropped channels were not
+    going to be used). Returns a new raw (``raw`` itself when nothing is marked bad)."""
+    bads = [ch for ch in raw.info["bads"] if ch in raw.ch_names]
+    if not bads:
+        return raw
+    where = _where(raw)
+    wanted = set(_resolve(raw, needed)) if needed is not None else set()
+    repair = [ch for ch in bads if ch in wanted]
+    drop = [ch for ch in bads if ch not in wanted]
+    raw = raw.copy()
+    notes = []
+    if drop:
+        raw.drop_channels(drop)
+        if notify_dropped:
+            notes.append(f"channel(s) {drop} marked bad in the file (info['bads']) are dropped")
+    if repair:
+        raw, how = _interpolate(raw, repair, where)
+        notes.append(f"channel(s) {repair} marked bad in the file (info['bads']) are needed and interpolated {how}")
+    raw.filenames_for_errors = where
+    if notes:
+        warnings.warn(f"{where}: " + "; ".join(notes), UserWarning, stacklevel=3)
+    return raw
 
 
 def pick_channels(raw, channels: Sequence[str]):
@@ -325,6 +446,14 @@ class EEGSettings:
         return list(TCP_BIPOLAR_16) if self.bipolar == "tcp16" else [tuple(p) for p in self.bipolar]
 
 
+def _needed_channels(settings: EEGSettings) -> list[str] | None:
+    """The channel names the settings' montage reads (None: every EEG channel of the file)."""
+    pairs = settings.pairs()
+    if pairs is not None:
+        return list(dict.fromkeys(n for pair in pairs for n in pair))
+    return None if settings.channels is None else list(settings.channels)
+
+
 def _file_label(path: Path, patterns: Mapping[str, float]) -> float:
     hits = [label for pattern, label in patterns.items() if fnmatch.fnmatch(str(path), pattern)]
     if len(set(hits)) != 1:
@@ -334,9 +463,12 @@ def _file_label(path: Path, patterns: Mapping[str, float]) -> float:
 
 def load_windows(path: str | os.PathLike, settings: EEGSettings) -> tuple[np.ndarray, np.ndarray | None]:
     """Read one recording and return ``(x, y)``: windows in model units ``(n, C, T)`` (float32)
-    and labels (``None`` for unlabelled windows), after every step of ``settings``."""
+    and labels (``None`` for unlabelled windows), after every step of ``settings``. Channels marked
+    bad in the file are dropped, or interpolated where ``settings`` names them
+    (:func:`drop_bad_channels`)."""
     path = Path(path)
-    raw = read_raw(path)
+    raw = drop_bad_channels(read_raw(path), _needed_channels(settings), notify_dropped=settings.channels is None
+                            and settings.pairs() is None)
     if settings.pairs() is not None:
         raw = bipolar_montage(raw, settings.pairs())
     elif settings.channels is not None:
@@ -379,7 +511,8 @@ def recording_windows(recording, settings: EEGSettings, *, stride_s: float | Non
     Returns ``(x, start_s)``: windows ``(n, C, T)`` float32 in model units and their start times in
     seconds from the first sample. Errors (:class:`EEGError`) name the file: a missing channel
     (listing the file's), a rate below ``settings.sfreq`` without ``allow_upsample``, a
-    recording shorter than one window.
+    recording shorter than one window. Channels marked bad in the recording are handled (and
+    announced) as by :func:`drop_bad_channels`.
     """
     if isinstance(recording, (str, os.PathLike)):
         raw = read_raw(recording)
@@ -387,6 +520,8 @@ def recording_windows(recording, settings: EEGSettings, *, stride_s: float | Non
         raw = recording.copy()
         if source is not None or not getattr(raw, "filenames_for_errors", None):
             raw.filenames_for_errors = source or _where(raw)
+    needed = _needed_channels(settings)
+    raw = drop_bad_channels(raw, needed, notify_dropped=needed is None or (reference_all and settings.pairs() is None))
     pre = dict(sfreq=settings.sfreq, l_freq=settings.l_freq, h_freq=settings.h_freq, notch=settings.notch,
                allow_upsample=settings.allow_upsample)
     if settings.pairs() is not None:

@@ -5,8 +5,9 @@ wall-clock hours** (each record placed by its own UTC offset, so nights stay nig
 and daylight-saving changes), one float column per variable, and **NaN where an hour has no record
 of a variable** (never 0).
 
-* :func:`read_healthkit` — Apple Health ``export.xml`` (streamed in bounded memory; a regex fast path
-  over byte chunks, expat for the prolog and as the reference engine).
+* :func:`read_healthkit` — Apple Health ``export.xml`` or the unzipped ``apple_health_export/``
+  folder (streamed in bounded memory; a regex fast path over byte chunks, expat for the prolog and
+  as the reference engine).
 * :func:`read_fitbit` — Fitbit's account export (JSON files per measure, ``steps-2020-01-01.json``).
 * :func:`read_long` — a long CSV/Parquet file or DataFrame ``timestamp, variable, value``.
 * :func:`aggregate_minutes` / :func:`read_actigraphy` — minute-level actigraphy to hours.
@@ -31,6 +32,7 @@ Apple Health rules (all tested in ``tests/data_loaders/test_wearables.py``):
   HealthKit's ``%`` holds fractions (0.97), converted to percent (97). An unknown unit is an error.
 * A record's wall-clock start is its written local time; its duration is taken in absolute time
   (end minus start, both with their offsets), so a record spanning a DST change keeps its length.
+  An offset beyond 14 hours from UTC or with minutes >= 60 (``+9999``) is an error, not a shift.
 
 Security: the export carries an internal DTD; entity declarations of any kind (external entities
 that would read files, or nested internal ones that expand exponentially) are refused with an
@@ -59,6 +61,7 @@ __all__ = [
     "SLEEP",
     "HEALTHKIT_TYPES",
     "read_healthkit",
+    "healthkit_export_file",
     "read_fitbit",
     "read_long",
     "aggregate_minutes",
@@ -158,6 +161,7 @@ def _text(raw) -> str:
     return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
+_MAX_OFFSET_MIN = 14 * 60
 _DIGIT_POS = [0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15, 17, 18, 21, 22, 23, 24]
 
 
@@ -198,8 +202,16 @@ def _parse_hk_dates(strings: Sequence, path, field: str) -> tuple[np.ndarray, np
     if wrong.any():
         bad = _text(strings[int(np.flatnonzero(wrong)[0])])
         raise HealthDataError(f"{path}: Record {field}={bad!r}: month, day or time out of range")
+    # real UTC offsets lie within -12:00 .. +14:00 (Kiribati's Line Islands); ISO 8601 minutes are
+    # < 60. Anything else (+9999) is damage, and would shift the record by days without a word.
+    off_h, off_m = num(21, 23), num(23, 25)
+    wrong = (off_m > 59) | (off_h * 60 + off_m > _MAX_OFFSET_MIN)
+    if wrong.any():
+        bad = _text(strings[int(np.flatnonzero(wrong)[0])])
+        raise HealthDataError(f"{path}: Record {field}={bad!r}: UTC offset {bad[20:]!r} out of range (expected "
+                              "+hhmm or -hhmm with minutes < 60, at most 14 hours from UTC)")
     sign = np.where(c[:, 20] == 45, -1, 1)
-    offset = sign * (num(21, 23) * 3600 + num(23, 25) * 60)
+    offset = sign * (off_h * 3600 + off_m * 60)
     local = _days_from_civil(y, mo, d) * 86400 + hh * 3600 + mm * 60 + ss
     return local, offset
 
@@ -475,6 +487,17 @@ def _xml_error(path, exc: expat.ExpatError) -> HealthDataError:
                            f"{expat.ErrorString(exc.code)}")
 
 
+def healthkit_export_file(folder: str | os.PathLike) -> Path | None:
+    """The ``export.xml`` of an unzipped Apple Health export: ``folder/export.xml`` (``folder`` is
+    the ``apple_health_export`` folder) or ``folder/apple_health_export/export.xml`` (the folder
+    ``export.zip`` was unpacked into); None when neither exists."""
+    folder = Path(folder)
+    for candidate in (folder / "export.xml", folder / "apple_health_export" / "export.xml"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def read_healthkit(path: str | os.PathLike, *, variables: Iterable[str] | None = None, start=None, end=None,
                    batch_size: int = 200_000, return_stats: bool = False, engine: str = "fast"):
     """Read an Apple Health ``export.xml`` into an hourly table (rules in the module docstring).
@@ -498,7 +521,8 @@ def read_healthkit(path: str | os.PathLike, *, variables: Iterable[str] | None =
     per element; the reference the fast path is tested against).
 
     Args:
-        path: the ``export.xml`` file (the ``apple_health_export`` folder's main file).
+        path: the ``export.xml`` file (the ``apple_health_export`` folder's main file), or a folder
+            holding it (see :func:`healthkit_export_file`).
         variables: columns to produce (default :data:`VARIABLES`); records of other types are skipped.
         start, end: keep hours in ``[start, end)`` (local wall-clock, anything ``pandas.Timestamp`` reads).
         batch_size: records buffered before they are folded into the accumulators.
@@ -514,6 +538,12 @@ def read_healthkit(path: str | os.PathLike, *, variables: Iterable[str] | None =
         and, where it has one, the line.
     """
     path = Path(path)
+    if path.is_dir():
+        found = healthkit_export_file(path)
+        if found is None:
+            raise HealthDataError(f"{path}: no export.xml in this folder or in its apple_health_export/ folder "
+                                  "(expected Apple Health's export.xml, or the folder its export.zip unpacks to)")
+        path = found
     variables = _check_variables(variables, VARIABLES, "read_healthkit")
     if engine not in ("fast", "expat"):
         raise ValueError(f"read_healthkit: engine={engine!r}: expected 'fast' or 'expat'")
@@ -964,6 +994,10 @@ def read_fitbit(folder: str | os.PathLike, *, variables: Iterable[str] | None = 
     files = sorted(p for p in folder.rglob("*.json") if _FITBIT_FILE.match(p.name)
                    and _FITBIT_FILE.match(p.name)["measure"] in FITBIT_MEASURES)
     if not files:
+        healthkit = healthkit_export_file(folder)
+        if healthkit is not None:
+            raise HealthDataError(f"{folder}: no Fitbit measure files; this is an Apple Health export ({healthkit}): "
+                                  "read it with read_healthkit")
         raise HealthDataError(f"{folder}: no Fitbit measure files (<measure>-YYYY-MM-DD.json for "
                               f"{sorted(FITBIT_MEASURES)})")
     times, names, values = [], [], []

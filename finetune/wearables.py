@@ -400,21 +400,33 @@ run, evaluate = FAMILY.run, FAMILY.evaluate
 # ----------------------------------------------------------------------------- predict / embed
 
 
+_NO_VARIABLES = ("the model records no variable names (domainfm.model_kwargs.variables in its config.json: the "
+                 "names of its inputs, in order), so a file's columns cannot be mapped to its inputs; save it with "
+                 "create_model(..., variables=[...]) (fine-tuning runs record them) or add the list to its config.json")
+
+
 def read_weeks(path: str, model, *, min_hours: int = 24, tz: str | None = None) -> W.Weeks:
     """A participant's file -> the model's weeks (its variables, in its order; values in the
     variables' units, z-scored inside the model as in training): an Apple Health ``export.xml``
-    (:func:`~domainfm.data_loaders.wearables.read_healthkit`), a long CSV/Parquet ``timestamp,
-    variable, value`` (:func:`~domainfm.data_loaders.wearables.read_long`) or a Fitbit export folder."""
+    (:func:`~domainfm.data_loaders.wearables.read_healthkit`) or the unzipped ``apple_health_export``
+    folder holding it, a long CSV/Parquet ``timestamp, variable, value``
+    (:func:`~domainfm.data_loaders.wearables.read_long`) or a Fitbit export folder."""
     from pathlib import Path
+
+    from domainfm.errors import InputError
 
     variables = list(getattr(model, "variables", None) or [])
     if not variables:
-        raise ValueError("the model records no variable names (WBM(variables=...)); it cannot map a file's columns")
+        raise InputError(_NO_VARIABLES)
     p = Path(path)
-    if p.is_dir():
+    healthkit = W.healthkit_export_file(p) if p.is_dir() else None
+    if healthkit is not None:
+        table = W.read_healthkit(healthkit, variables=[v for v in variables if v in W.VARIABLES])
+    elif p.is_dir():
         table = W.read_fitbit(p, variables=[v for v in variables if v in W.VARIABLES] or None, tz=tz)
     elif not p.is_file():
-        raise FileNotFoundError(f"{p}: no such file (--input: export.xml, a long CSV/Parquet or a Fitbit folder)")
+        raise FileNotFoundError(f"{p}: no such file (--input: export.xml or its apple_health_export folder, a long "
+                                "CSV/Parquet or a Fitbit folder)")
     elif p.suffix.lower() == ".xml":
         table = W.read_healthkit(p, variables=[v for v in variables if v in W.VARIABLES])
     elif p.suffix.lower() in (".csv", ".parquet"):
@@ -483,17 +495,24 @@ def _parse(command: str, argv: list[str]):
         prog=f"domainfm {command} wearables",
         description=("Per-week predictions of a fine-tuned WBM (CSV: week_start, week_end, hours_observed, "
                      "p_<target>)" if command == "predict" else "Per-week WBM embeddings (.npz: week_start, X)")
-        + ". --input: an Apple Health export.xml, a long CSV/Parquet (timestamp, variable, value) or a Fitbit "
-          "export folder of one participant.")
+        + ". --input: an Apple Health export.xml (or its unzipped apple_health_export folder), a long CSV/Parquet "
+          "(timestamp, variable, value) or a Fitbit export folder of one participant.")
     add_model_arguments(parser)
     parser.add_argument("--min-hours", type=positive_int, default=24, help="drop weeks with fewer observed hours")
     return parser.parse_args(argv)
 
 
-def _load_for_apply(args):
-    from domainfm.experiment.inference import load_model, run_report
+def _load_for_apply(args, command: str):
+    from domainfm.errors import InputError
+    from domainfm.experiment.inference import load_model, resolve_model_dir, run_report
 
     model = load_model(args.model, arm=args.arm, pretrained=args.pretrained).to(args.device)
+    where = resolve_model_dir(args.model, args.arm) or args.model
+    if not getattr(model, "variables", None):
+        raise InputError(f"{where}: {_NO_VARIABLES}")
+    if command == "predict" and getattr(model, "head", None) is None:
+        raise InputError(f"{where}: the model has no head (a pretrained backbone); use "
+                         "`domainfm embed wearables` for its embeddings, or fine-tune it first")
     report = run_report(args.model) or {}
     return model, report
 
@@ -503,9 +522,7 @@ def predict_main(argv: list[str]) -> int:
     from domainfm.atomic import atomic_write_text
 
     args = _parse("predict", argv)
-    model, report = _load_for_apply(args)
-    if getattr(model, "head", None) is None:
-        raise ValueError(f"predict wearables: {args.model} has no head; use `domainfm embed wearables`")
+    model, report = _load_for_apply(args, "predict")
     target = report.get("data", {}).get("target") or "output"
     frame = predict(args.input, model, target=target, task=report.get("task", "binary"), min_hours=args.min_hours,
                     precision=args.precision, device=args.device)
@@ -519,7 +536,7 @@ def embed_main(argv: list[str]) -> int:
     from domainfm.atomic import atomic_path
 
     args = _parse("embed", argv)
-    model, _ = _load_for_apply(args)
+    model, _ = _load_for_apply(args, "embed")
     frame, features = embed(args.input, model, min_hours=args.min_hours, precision=args.precision, device=args.device)
     with atomic_path(args.output) as tmp:
         with open(tmp, "wb") as fh:

@@ -183,3 +183,59 @@ def test_recording_windows_for_inference(tmp_path):
         eeg.recording_windows(path, EEGSettings(window_s=10.0, **NO_FILTER))
     with pytest.raises(EEGError, match="below the target 400 Hz"):
         eeg.recording_windows(path, EEGSettings(sfreq=400.0, window_s=2.0, **NO_FILTER))
+
+
+def _write_fif_with_bad(path, data_uv, names, bads, sfreq=200.0):
+    raw = mne.io.RawArray(data_uv * 1e-6, mne.create_info(list(names), sfreq, ch_types="eeg"), verbose="error")
+    raw.info["bads"] = list(bads)
+    raw.save(str(path), overwrite=True, verbose="error")
+    return path
+
+
+def test_channels_marked_bad_in_a_fif_are_dropped_with_a_notice(tmp_path):
+    names = ["FP1", "F7", "T3", "C3", "T5", "O1"]
+    data = _signal(n_ch=len(names), seconds=8.0)
+    data[2] += 400.0  # the bad channel: a 400 µV offset no good channel comes near
+    path = _write_fif_with_bad(tmp_path / "rec_raw.fif", data, names, ["T3"])
+    settings = EEGSettings(window_s=2.0, **NO_FILTER)
+    with pytest.warns(UserWarning, match=r"rec_raw\.fif: channel\(s\) \['T3'\] marked bad .* dropped"):
+        x, _ = eeg.load_windows(path, settings)
+    good = [0, 1, 3, 4, 5]
+    assert x.shape == (4, 5, 400)
+    np.testing.assert_allclose(x[1], data[good, 400:800] / 100, atol=1e-4)
+    assert np.abs(x).max() < 1.0  # no sample of the +400 µV channel (4.0 in model units)
+    with pytest.warns(UserWarning, match=r"rec_raw\.fif: channel\(s\) \['T3'\] marked bad"):
+        x_inf, starts = eeg.recording_windows(path, settings)
+    np.testing.assert_allclose(x_inf, x, atol=1e-6)
+    # a bad channel the model needs by name is rebuilt from its neighbours (spherical splines), never read
+    fixed = EEGSettings(channels=["C3", "T7"], window_s=2.0, **NO_FILTER)
+    with pytest.warns(UserWarning, match=r"rec_raw\.fif: channel\(s\) \['T3'\] marked bad .* interpolated"):
+        x_fixed, _ = eeg.load_windows(path, fixed)
+    assert x_fixed.shape == (4, 2, 400)
+    np.testing.assert_allclose(x_fixed[:, 0], x[:, 2], atol=1e-6)  # C3 untouched
+    assert np.abs(x_fixed[:, 1]).max() < 1.0 and np.abs(x_fixed[:, 1]).std() > 0.01  # T7 = T3: interpolated
+
+
+def _truncate_edf(src, dst, keep_fraction):
+    raw_bytes = src.read_bytes()
+    header = int(raw_bytes[184:192])
+    dst.write_bytes(raw_bytes[: header + int((len(raw_bytes) - header) * keep_fraction)])
+    return dst
+
+
+def test_truncated_edf_is_read_with_a_warning_naming_the_file_and_durations(tmp_path):
+    data = _signal(seconds=20.0)
+    full = _write_edf(tmp_path / "full.edf", data)
+    cut = _truncate_edf(full, tmp_path / "cut.edf", 0.3)
+    settings = EEGSettings(channels=["FP1", "T3", "C3"], window_s=2.0, **NO_FILTER)
+    with pytest.warns(UserWarning, match=r"cut\.edf: .*truncated.* 6(\.0)? s .* 20(\.0)? s"):
+        x, _ = eeg.load_windows(cut, settings)
+    assert x.shape == (3, 3, 400)  # what the file holds, not the 10 windows the header declares
+    np.testing.assert_allclose(x[2], data[:, 800:1200] / 100, atol=2e-4)
+    with pytest.warns(UserWarning, match=r"cut\.edf: .*truncated"):
+        eeg.recording_windows(cut, settings)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the intact file reads without a notice
+        assert eeg.load_windows(full, settings)[0].shape == (10, 3, 400)

@@ -215,6 +215,43 @@ def test_bad_files_raise_errors_naming_the_problem(tmp_path):
         W.read_healthkit(good, variables=["stepz"])
 
 
+@pytest.mark.parametrize("engine", ["fast", "expat"])
+@pytest.mark.parametrize("field, bad", [("startDate", "+9999"), ("endDate", "+1500"), ("startDate", "-0260"),
+                                        ("endDate", "+1401")])
+def test_utc_offset_out_of_range_is_refused(tmp_path, engine, field, bad):
+    start, end = "2024-01-01 10:00:00 +0000", "2024-01-01 10:05:00 +0000"
+    start, end = (start[:-5] + bad, end) if field == "startDate" else (start, end[:-5] + bad)
+    path = export(tmp_path, rec("StepCount", start, end, 5), name="offset.xml")
+    with pytest.raises(W.HealthDataError, match=rf"offset\.xml: Record {field}='2024-01-01 10:0\d:00 \{bad}': UTC "
+                                                r"offset .* out of range"):
+        W.read_healthkit(path, engine=engine)
+    # the real extremes (Baker Island -12:00, Kiribati's Line Islands +14:00, Nepal +05:45) are read
+    ok = export(tmp_path, rec("StepCount", "2024-01-01 10:00:00 -1200", "2024-01-01 10:05:00 -1200", 5),
+                rec("StepCount", "2024-01-01 11:00:00 +1400", "2024-01-01 11:05:00 +1400", 6),
+                rec("StepCount", "2024-01-01 12:00:00 +0545", "2024-01-01 12:05:00 +0545", 7), name="extremes.xml")
+    t = W.read_healthkit(ok, variables=["steps"], engine=engine)
+    assert t["steps"].tolist() == pytest.approx([5, 6, 7])
+
+
+def test_unzipped_export_folder_reads_as_its_export_xml(tmp_path):
+    records = [rec("StepCount", "2024-01-01 09:50:00 +0100", "2024-01-01 10:10:00 +0100", 100),
+               rec("HeartRate", "2024-01-01 09:10:00 +0100", "2024-01-01 09:10:00 +0100", 60, unit="count/min")]
+    unzipped = tmp_path / "download" / "apple_health_export"
+    unzipped.mkdir(parents=True)
+    xml = export(unzipped, *records)
+    (unzipped / "export_cda.xml").write_text("<ClinicalDocument/>")  # the other file of a real export
+    direct = W.read_healthkit(xml, variables=["steps", "heart_rate"])
+    for folder in (unzipped, unzipped.parent):  # the folder itself, or the one the zip was unpacked into
+        assert W.healthkit_export_file(folder) == xml
+        pd.testing.assert_frame_equal(W.read_healthkit(folder, variables=["steps", "heart_rate"]), direct)
+    with pytest.raises(W.HealthDataError, match=r"apple_health_export: .*Apple Health export.*export\.xml"):
+        W.read_fitbit(unzipped)
+    assert W.healthkit_export_file(tmp_path / "download" / "nothing") is None
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(W.HealthDataError, match=r"empty: no export\.xml"):
+        W.read_healthkit(tmp_path / "empty")
+
+
 def test_small_batches_give_the_same_table(tmp_path):
     rng = np.random.default_rng(0)
     records = []

@@ -208,6 +208,27 @@ def test_bad_recordings_are_one_line_errors_naming_the_file(runs, tmp_path, caps
         assert code == 2 and "the model takes 4 channels but the recording gives 64" in err and str(SHIPPED) in err
 
 
+def test_predict_warns_about_a_truncated_edf_and_bad_channels_and_still_answers(runs, tmp_path):
+    full = runs["data"] / "val.edf"  # 20 s: ten 2-s windows
+    raw_bytes = full.read_bytes()
+    header = int(raw_bytes[184:192])
+    cut = tmp_path / "cut.edf"
+    cut.write_bytes(raw_bytes[: header + (len(raw_bytes) - header) * 3 // 10])
+    out = tmp_path / "cut.csv"
+    with pytest.warns(UserWarning, match=r"cut\.edf: truncated EDF file: it holds 6 s of the 20 s"):
+        assert cli.main(["predict", "cbramod", "--model", str(runs["files"]), "--input", str(cut), "--output",
+                         str(out), "--precision", "32-true"]) == 0
+    np.testing.assert_allclose(_csv(out)["start_s"], [0.0, 2.0, 4.0])
+    # a FIF whose Fp1 is marked bad: the model needs Fp1, so it is interpolated (and said so), not read
+    raw = eeg.read_raw(full)
+    raw.info["bads"] = ["Fp1"]
+    raw.save(str(tmp_path / "bad_raw.fif"), verbose="error")
+    with pytest.warns(UserWarning, match=r"bad_raw\.fif: channel\(s\) \['Fp1'\] marked bad .* interpolated"):
+        assert cli.main(["predict", "cbramod", "--model", str(runs["files"]), "--input", str(tmp_path / "bad_raw.fif"),
+                         "--output", str(tmp_path / "bad.csv"), "--precision", "32-true"]) == 0
+    assert len(_csv(tmp_path / "bad.csv")) == 10
+
+
 def test_bf16_probabilities_stay_within_the_documented_tolerance(runs):
     from domainfm.precision import autocast
 

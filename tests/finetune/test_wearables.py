@@ -123,3 +123,47 @@ def test_predict_wearables_bad_input(tmp_path, capsys):
                      "--output", str(tmp_path / "o.csv")]) == 2
     err = capsys.readouterr().err
     assert "none of the model's variables" in err and not (tmp_path / "o.csv").exists()
+
+
+def test_model_without_variables_is_a_one_line_error_naming_the_folder(tmp_path, capsys):
+    from domainfm import create_model, save_pretrained
+
+    save_pretrained(create_model("wbm-test", n_chans=2, n_times=168, n_outputs=1), tmp_path / "no_vars")
+    (tmp_path / "p.csv").write_text("timestamp,variable,value\n2024-01-01 10:00,steps,30\n")
+    for command in ("predict", "embed"):
+        assert cli.main([command, "wearables", "--model", str(tmp_path / "no_vars"), "--input", str(tmp_path / "p.csv"),
+                         "--output", str(tmp_path / "o.out")]) == 2
+        err = capsys.readouterr().err
+        assert str(tmp_path / "no_vars") in err and "variables" in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) <= 2  # the message and the --debug hint
+        assert not (tmp_path / "o.out").exists()
+    save_pretrained(create_model("wbm-test", n_chans=2, n_times=168, n_outputs=None, variables=["steps", "heart_rate"]),
+                    tmp_path / "headless")
+    assert cli.main(["predict", "wearables", "--model", str(tmp_path / "headless"), "--input", str(tmp_path / "p.csv"),
+                     "--output", str(tmp_path / "o.out")]) == 2
+    err = capsys.readouterr().err
+    assert "headless" in err and "no head" in err and "Traceback" not in err
+
+
+def test_unzipped_apple_health_folder_gives_the_weeks_of_its_export_xml(tmp_path):
+    from types import SimpleNamespace
+
+    from domainfm.finetune.wearables import read_weeks
+
+    records = "".join(
+        f' <Record type="HKQuantityTypeIdentifier{kind}" sourceName="Watch" unit="{unit}" '
+        f'startDate="2024-01-0{d} {h:02d}:00:00 +0100" endDate="2024-01-0{d} {h:02d}:10:00 +0100" value="{v + h}"/>\n'
+        for d in (1, 2) for h in range(0, 24, 2) for kind, unit, v in (("StepCount", "count", 100),
+                                                                       ("HeartRate", "count/min", 60)))
+    folder = tmp_path / "apple_health_export"
+    folder.mkdir()
+    xml = folder / "export.xml"
+    xml.write_text('<?xml version="1.0" encoding="UTF-8"?>\n<HealthData locale="en_GB">\n' + records
+                   + "</HealthData>\n")
+    model = SimpleNamespace(variables=["steps", "heart_rate"])
+    direct = read_weeks(str(xml), model, min_hours=1)
+    for given in (folder, tmp_path):  # the export folder, or the one export.zip was unpacked into
+        weeks = read_weeks(str(given), model, min_hours=1)
+        np.testing.assert_allclose(weeks.values, direct.values)
+        assert (weeks.observed == direct.observed).all() and list(weeks.week_starts) == list(direct.week_starts)
+    assert direct.observed.any(-1).sum() == 24 and direct.values[0, 10, 0] == pytest.approx(110)
