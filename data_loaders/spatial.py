@@ -35,7 +35,8 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-__all__ = ["SpatialDataError", "GeneVocabulary", "samples_dir", "read_spatial", "read_visium", "validate",
+__all__ = ["SpatialDataError", "GeneVocabulary", "samples_dir", "read_spatial", "read_visium", "read_h5ad", "validate",
+           "check_unique_obs_names",
            "normalize_coordinates", "gene_ensembl_ids", "tokenize", "TokenizedCells", "split_micro",
            "hypernodes", "subslice_distances", "build_subslices", "collate_subslices", "SubsliceDataset",
            "PAD_ID", "MASK_ID", "CLS_ID", "MAX_LENGTH", "TOKEN_CELL", "TOKEN_CLS", "TOKEN_HYPERNODE", "TOKEN_PAD",
@@ -135,17 +136,49 @@ def read_visium(folder: str | Path, *, count_file: str = "filtered_feature_bc_ma
     return adata
 
 
+def read_h5ad(path: str | Path):
+    """:func:`anndata.read_h5ad`, with a file that is not AnnData (truncated, text, a CSV renamed
+    ``.h5ad``, an HDF5 file of another layout) a :class:`SpatialDataError` naming the file."""
+    import anndata as ad
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return ad.read_h5ad(path)
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - h5py and anndata raise OSError, KeyError, TypeError... on foreign bytes
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SpatialDataError(f"{path}: not a readable AnnData .h5ad file ({first}); expected a file written by "
+                               "anndata/scanpy (adata.write_h5ad)") from None
+
+
+def check_unique_obs_names(adata, *, source: str | None = None) -> None:
+    """Raise :class:`SpatialDataError` when ``obs_names`` repeat.
+
+    Refused rather than renamed: per-cell outputs (a predictions CSV, an embeddings ``.npz``) are
+    keyed by these names, and silently suffixing them (``-1``, ``-2``) would give names that
+    match nothing in the user's other tables; scanpy users fix it explicitly, once, with
+    ``adata.obs_names_make_unique()``.
+    """
+    names = adata.obs_names
+    if names.is_unique:
+        return
+    repeated = names[names.duplicated()].unique()
+    shown = ", ".join(repr(str(n)) for n in repeated[:3]) + (", ..." if len(repeated) > 3 else "")
+    raise SpatialDataError(f"{_source(adata, source)}: obs_names has {len(repeated)} duplicated name(s) ({shown}); "
+                           "per-cell outputs are keyed by name: make them unique first, e.g. "
+                           "adata.obs_names_make_unique() then adata.write_h5ad(...)")
+
+
 def read_spatial(path: str | Path, *, spatial_key: str = "spatial"):
     """Read a ``.h5ad`` file or a Visium folder into AnnData and :func:`validate` it."""
-    import scanpy as sc
-
     path = Path(path)
     if path.is_dir():
         adata = read_visium(path)
     elif path.suffix == ".h5ad":
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such file")
-        adata = sc.read_h5ad(path)
+        adata = read_h5ad(path)
     else:
         raise SpatialDataError(f"{path}: expected a .h5ad file or a 10x Visium folder")
     adata.var_names_make_unique()

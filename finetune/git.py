@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.data_loaders import graph as G
 from domainfm.engine import TrainConfig, Trainer
+from domainfm.errors import InputError
 from domainfm.experiment import (AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained,
                                  StageSection, TaskData)
 from domainfm.finetune.in_context import SFTRecipe, in_context, zero_shot
@@ -401,6 +402,12 @@ def _apply(graph: Any, model: Any, *, task: str | None, index: Tensor | None, sp
 
     net, found = _load(model, arm, pretrained)
     settings = settings or found
+    if head and not settings.link and net.n_outputs == 0:
+        # refused before the graph is read: a backbone's "logits" would be its embeddings
+        what = f"model {model}" if isinstance(model, (str, Path)) else "the model"
+        raise InputError(f"{what}: a GIT backbone without a classifier head (n_outputs=0); predict needs a "
+                         "fine-tuned model with a head (a `domainfm finetune git` run folder or its <arm>/model); "
+                         "for task embeddings use `domainfm embed git`")
     label = str(graph) if isinstance(graph, (str, Path)) else getattr(graph, "name", "the given graph")
     encoder = G.text_encoder(settings.text_encoder)
     ds = G.read_graph(graph, encoder=encoder, feature_dim=net.in_channels, seed=seed)
@@ -488,10 +495,7 @@ def predict(graph: Any, model: Any, *, task: str | None = None, index: Tensor | 
 
     out = _apply(graph, model, task=task, index=index, split=split, arm=arm, pretrained=pretrained,
                  precision=precision, device=device, batch_size=batch_size, seed=seed, head=True, settings=settings)
-    net, logits = out.model, out.logits
-    if not out.settings.link and net.n_outputs == 0:
-        raise ValueError("the model has no classifier head (n_outputs=0): use embed (`domainfm embed git`) "
-                         "or a fine-tuned model")
+    logits = out.logits
     if out.settings.link or logits.ndim == 1 or logits.shape[1] == 1:
         p1 = torch.sigmoid(logits.reshape(-1))
         probs = torch.stack([1 - p1, p1], dim=1)

@@ -32,6 +32,7 @@ from torch import nn
 from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.data_loaders import spatial
 from domainfm.engine import TrainConfig
+from domainfm.errors import InputError
 from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, Retained, TaskData
 from domainfm.finetune.supervised import LoraSettings, SupervisedRecipe
 from domainfm.pretrain.stofm import CellEncoderSection, SliceSettings, build_cell_encoder
@@ -89,8 +90,25 @@ def subslice_features(model: nn.Module, subslices, n_cells: int, *, batch_size: 
     return out
 
 
-def embed(adata, model: str | nn.Module = "stofm-base", *, key_added: str = "X_stofm", batch_size: int = 4,
-          cell_encoder: str | nn.Module | None = None, embedding_key: str | None = None,
+def _check_key_added(adata, key_added: str, *, spatial_key: str, embedding_key: str | None, overwrite: bool,
+                     option: str = "key_added=") -> None:
+    """Refuse an output key that would destroy data: the coordinates or embeddings this call reads
+    (always), or another existing ``obsm`` entry that is not named like an embedding (``X_*``,
+    scanpy's convention: a re-run replaces its own output as ``sc.pp.pca`` replaces ``X_pca``)
+    unless ``overwrite``. Checked before any model is loaded."""
+    where = f"{option}{key_added!r}"
+    if key_added in (spatial_key, embedding_key):
+        what = "the cell coordinates" if key_added == spatial_key else "the cell embeddings"
+        raise InputError(f"{where}: obsm[{key_added!r}] holds {what} this embedding is computed from; "
+                         "choose another key (default 'X_stofm')")
+    if key_added in adata.obsm and not key_added.startswith("X_") and not overwrite:
+        raise InputError(f"{where}: obsm[{key_added!r}] already holds data of shape "
+                         f"{tuple(np.shape(adata.obsm[key_added]))}; choose another key (default 'X_stofm'), "
+                         "or pass overwrite=True to replace it")
+
+
+def embed(adata, model: str | nn.Module = "stofm-base", *, key_added: str = "X_stofm", overwrite: bool = False,
+          batch_size: int = 4, cell_encoder: str | nn.Module | None = None, embedding_key: str | None = None,
           spatial_key: str = "spatial", layer: str | None = None, gene_id_key: str | None = None,
           cells_per_subslice: int = 1000, leiden_resolution: float = 1.0, alpha: float = 0.2, knn: int = 50,
           seed: int = 0) -> None:
@@ -101,6 +119,10 @@ def embed(adata, model: str | nn.Module = "stofm-base", *, key_added: str = "X_s
         model: the official checkpoint folder (``se2transformer.pth`` [+ ``config.json``,
             ``cell_encoder/``]), a ``se2transformer.pth`` file, a ``save_pretrained`` folder, a
             registered name (random weights, with a warning) or a model.
+        key_added: the ``obsm`` key written. It may not name this call's inputs
+            (``spatial_key``, ``embedding_key``); an existing entry not named like an embedding
+            (``X_*``, which a re-run replaces) is replaced only with ``overwrite=True``
+            (:class:`~domainfm.errors.InputError` otherwise, before anything is computed).
         cell_encoder: the official ``cell_encoder/`` folder, a ``save_pretrained`` folder, a
             registered name or a model; default: the one in the checkpoint folder, else a
             randomly initialised ``stofm-cell-encoder`` (with a warning).
@@ -109,6 +131,7 @@ def embed(adata, model: str | nn.Module = "stofm-base", *, key_added: str = "X_s
             (:func:`domainfm.data_loaders.spatial.build_subslices`).
     """
     spatial.validate(adata, spatial_key=spatial_key, layer=layer)
+    _check_key_added(adata, key_added, spatial_key=spatial_key, embedding_key=embedding_key, overwrite=overwrite)
     transformer, bundled = _resolve_model(model)
     if embedding_key is not None:
         if embedding_key not in adata.obsm:
@@ -434,9 +457,7 @@ def predict(adata, model: nn.Module, data: DataSection | None = None, *, classes
     from domainfm.pretrain.stofm import slice_subslices
 
     data = data or DataSection()
-    if getattr(model, "head", None) is None:
-        raise ValueError("predict stofm: the model has no classification head; use `domainfm embed stofm` "
-                         "for embeddings, or pass a fine-tuned model / run folder")
+    _require_head(model, "the model")
     subs, _ = slice_subslices(adata, data, seed=seed, source=source)
     model.eval()
     device = next(model.parameters()).device
@@ -460,6 +481,15 @@ def predict(adata, model: nn.Module, data: DataSection | None = None, *, classes
     frame.insert(0, "predicted", np.asarray(names, dtype=object)[probs.argmax(1)])
     frame.index.name = "cell"
     return frame
+
+
+def _require_head(model: nn.Module, label: str) -> None:
+    """Predictions need the per-cell classifier a fine-tuning run adds; a backbone (the pretrained
+    transformer, a save_pretrained of it) has none."""
+    if getattr(model, "head", None) is None:
+        raise InputError(f"{label}: a SToFM backbone without a classification head; predict needs a fine-tuned "
+                         "model with a head (a `domainfm finetune stofm` run folder or its <arm>/model); for cell "
+                         "embeddings use `domainfm embed stofm`")
 
 
 def _cli(command: str, argv: list[str]):
@@ -489,14 +519,14 @@ def _cli(command: str, argv: list[str]):
 
 
 def _read_input(path: str):
-    import anndata as ad
-
+    """The ``--input`` slice; its ``obs_names`` must be unique (they key every per-cell output)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such file (--input: an .h5ad slice)")
     if p.suffix != ".h5ad":
         raise spatial.SpatialDataError(f"{p}: expected an .h5ad file (AnnData), got {p.suffix or 'no suffix'!r}")
-    adata = ad.read_h5ad(p)
+    adata = spatial.read_h5ad(p)
+    spatial.check_unique_obs_names(adata, source=str(p))
     return adata
 
 
@@ -510,6 +540,7 @@ def predict_main(argv: list[str]) -> int:
     data, seed, classes = _slice_settings(args.model, args)
     spatial.validate(adata, spatial_key=data.spatial_key, layer=data.layer, source=args.input)
     model = load_model(args.model, arm=args.arm, pretrained=args.pretrained).to(args.device)
+    _require_head(model, f"--model {args.model}")
     frame = predict(adata, model, data, classes=classes, batch_size=args.batch_size, seed=seed,
                     precision=args.precision, source=args.input)
     with atomic_path(Path(args.output)) as tmp:
@@ -528,9 +559,13 @@ def embed_main(argv: list[str]) -> int:
     args = _cli("embed", argv)
     out = Path(args.output)
     if out.suffix not in (".h5ad", ".npz"):
-        raise ValueError(f"--output {out}: expected .h5ad (the input with obsm[{args.key_added!r}]) or .npz")
+        raise InputError(f"--output {out}: expected a .h5ad (the input with obsm[{args.key_added!r}]) or a .npz "
+                         f"(cells, X) file, got {out.suffix or 'no extension'!r}")
     adata = _read_input(args.input)
     data, seed, _ = _slice_settings(args.model, args)
+    if out.suffix == ".h5ad":
+        _check_key_added(adata, args.key_added, spatial_key=data.spatial_key, embedding_key=data.embedding_key,
+                         overwrite=False, option="--key-added ")
     model = load_model(args.model, arm=args.arm, pretrained=args.pretrained).to(args.device)
     subs, _ = slice_subslices(adata, data, seed=seed, source=args.input)
     with autocast(args.precision, args.device):

@@ -20,6 +20,10 @@ CASES = [
     ("embed", "stofm", "--cells-per-subslice", "0", "must be >= 1"),
     ("embed", "stofm", "--batch-size", "0", "must be >= 1"),
     ("embed", "wavetoken", "--batch-size", "0", "must be >= 1"),
+    ("predict", "wavetoken", "--num-samples", "0", "must be >= 1"),
+    ("predict", "wavetoken", "--quantiles", "abc", "'abc' is not a number"),
+    ("predict", "wavetoken", "--quantiles", "1.5,-0.2", "strictly between 0 and 1"),
+    ("predict", "wavetoken", "--quantiles", "0.1,-0.2", "strictly between 0 and 1"),
     ("predict", "wearables", "--min-hours", "0", "must be >= 1"),
     ("predict", "fim", "--window-points", "abc", "'abc' is not an integer"),
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,18 @@ def read_pyg_file(path: str | os.PathLike) -> Any:
         with torch.serialization.safe_globals(pyg_safe_globals()):
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        reason = str(exc).strip().splitlines()
-        detail = next((line.strip() for line in reason if "GLOBAL" in line or "Unsupported" in line), "")
+        # torch names the refused class and advises torch.serialization.add_safe_globals: advice for
+        # code that calls torch.load itself, which would have the user trust a class this reader
+        # never unpickles; only the class name is kept
+        found = re.search(r"GLOBAL\s+([\w.]+)", str(exc))
+        refused = found.group(1) if found else None
+        if refused and refused.startswith("torch_geometric.data.batch"):
+            raise GraphError(f"{path}: holds a PyG Batch, which is not read (unpickling a Batch needs its dynamically "
+                             "created class); save its graphs instead: torch.save(batch.to_data_list(), path) "
+                             "(a list of Data: one task per graph)") from None
+        detail = f"it needs {refused}" if refused else "weights-only load failed"
         raise GraphError(f"{path}: refused: only a PyG Data (or a list of Data) saved with torch.save is read, "
-                         f"and nothing that needs other classes to be unpickled ({detail or 'weights-only load failed'})"
-                         ) from None
+                         f"and nothing that needs other classes to be unpickled ({detail})") from None
     except Exception as exc:  # noqa: BLE001 - damaged or foreign bytes raise anything from KeyError to RuntimeError
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise GraphError(f"{path}: not a graph saved with torch.save (expected a PyG Data or a list of Data, "

@@ -61,6 +61,32 @@ def test_refusals_name_the_file(tmp_path):
         G.read_graph(wide, feature_dim=7)
 
 
+def test_a_saved_batch_is_refused_with_to_data_list_as_the_fix(tmp_path):
+    from torch_geometric.data import Batch
+
+    graphs = [_data(n=6), _data(n=7)]
+    path = tmp_path / "batch.pt"
+    torch.save(Batch.from_data_list(graphs), path)
+    with pytest.raises(G.GraphError) as info:
+        G.read_graph(path)
+    message = str(info.value)
+    assert "batch.pt" in message and "Batch" in message and "to_data_list()" in message, message
+    # torch's own advice would have the user allow-list classes this reader never unpickles
+    assert "add_safe_globals" not in message and "safe_globals" not in message, message
+    # the suggested fix reads back as the graph set
+    torch.save(Batch.from_data_list(graphs).to_data_list(), path)
+    ds = G.read_graph(path)
+    assert ds.task == "graph" and ds.ptr.tolist() == [0, 6, 13]
+
+
+def test_a_refused_class_is_named_without_torchs_allow_list_advice(tmp_path):
+    path = tmp_path / "other.pt"
+    torch.save({"x": torch.zeros(2), "when": __import__("datetime").date(2024, 1, 1)}, path)
+    with pytest.raises(G.GraphError, match="other.pt: refused") as info:
+        G.read_graph(path)
+    assert "datetime" in str(info.value) and "safe_globals" not in str(info.value), str(info.value)
+
+
 def test_npz_and_shipped_names():
     ds = G.read_graph("karate", encoder=G.HashingTextEncoder(32), feature_dim=32)
     assert ds.name == "karate" and ds.x.shape == (34, 32)
