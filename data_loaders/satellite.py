@@ -6,6 +6,12 @@
 * :func:`select_bands`, :class:`BandStats` (per-band mean/std, computed or given) and
   :func:`write_geotiff` (atomic) around them.
 * :func:`load_scene`: the shipped sample or your rasters as one normalised ``(C, H, W)`` scene.
+* Missing values: a value equal to the file's nodata, or not finite (NaN, +-inf, in a float file),
+  is missing (:func:`missing_values`); statistics leave it out and a model's input holds the
+  band mean there (:func:`read_scene_for_model`).
+* Memory: a raster whose pixels would take more than :data:`MAX_RASTER_BYTES` (2 GiB; the
+  ``DOMAINFM_MAX_RASTER_BYTES`` environment variable or ``read_raster(max_bytes=...)`` change it)
+  is refused with :class:`RasterTooLarge` before any pixel is read.
 * Datasets: :class:`SceneTiles` (tiles cut from one scene), :class:`ImageFolder` (EuroSAT style
   ``root/<class>/<image>.tif``), :class:`CsvManifest` (fMoW style ``image_path,label`` CSV) and
   :class:`UnlabelledImages` (any of them without labels, for self-supervised pretraining).
@@ -32,9 +38,15 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from domainfm.atomic import atomic_path
+from domainfm.errors import InputError
 
 __all__ = [
     "SatelliteDataError",
+    "RasterTooLarge",
+    "MAX_RASTER_BYTES",
+    "MAX_RASTER_BYTES_ENV",
+    "raster_byte_limit",
+    "missing_values",
     "read_raster",
     "read_scene_for_model",
     "ModelInput",
@@ -72,10 +84,89 @@ SENTINEL2_BANDS = ("B01", "B02", "B03", "B04", "B05", "B06", "B07", "B08", "B8A"
 EXPLORA_SENTINEL2_BANDS = ("B02", "B03", "B04", "B05", "B06", "B07", "B08", "B8A", "B11", "B12")
 _RASTER_SUFFIXES = (".tif", ".tiff", ".jp2")
 
+#: the most bytes a raster's pixels may take in memory (width x height x bands x bytes per value,
+#: from the file's header) before :func:`read_raster` refuses it; a sparse or compressed file of a
+#: few MB can claim tens of GiB, and the reader would allocate it all before anything else
+MAX_RASTER_BYTES = 2 * 1024**3
+#: the environment variable that overrides :data:`MAX_RASTER_BYTES` (a number of bytes)
+MAX_RASTER_BYTES_ENV = "DOMAINFM_MAX_RASTER_BYTES"
+
 
 class SatelliteDataError(ValueError):
     """A raster, image or manifest that cannot be used as asked (wrong bands, CRS, shape, ...);
     the message names the file and what was expected. The CLI reports it in one line."""
+
+
+class RasterTooLarge(SatelliteDataError):
+    """A raster whose pixels would take more memory than the limit (:func:`raster_byte_limit`);
+    the message names the file, its size in memory and the limit."""
+
+
+def raster_byte_limit(max_bytes: int | None = None) -> int:
+    """The memory limit on one raster's pixels, in bytes: ``max_bytes`` when given, else the
+    ``DOMAINFM_MAX_RASTER_BYTES`` environment variable when set, else :data:`MAX_RASTER_BYTES`.
+
+    Raises:
+        InputError: naming the keyword or the variable when it is not a positive number.
+    """
+    if max_bytes is not None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 1:
+            raise InputError(f"max_bytes={max_bytes!r}: expected a positive whole number of bytes")
+        return int(max_bytes)
+    text = os.environ.get(MAX_RASTER_BYTES_ENV, "").strip()
+    if not text:
+        return MAX_RASTER_BYTES
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 1 and value == int(value)):
+        raise InputError(f"{MAX_RASTER_BYTES_ENV}={text!r}: expected a positive whole number of bytes "
+                         f"(e.g. {4 * 1024**3} for 4 GiB)")
+    return int(value)
+
+
+def _human_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _check_size(source: str, width: int, height: int, count: int, dtype, max_bytes: int | None) -> None:
+    """Refuse, from the header alone, a raster whose pixels would exceed the memory limit."""
+    dtype = np.dtype(dtype)
+    size = int(width) * int(height) * int(count) * dtype.itemsize
+    limit = raster_byte_limit(max_bytes)
+    if size > limit:
+        raise RasterTooLarge(
+            f"{source}: {width} x {height} pixels x {count} bands of {dtype.name} take {_human_bytes(size)} "
+            f"({size} bytes) in memory, over the limit of {_human_bytes(limit)} ({limit} bytes); read a window or "
+            f"a coarser copy (gdal_translate -srcwin / -outsize), or raise the limit ({MAX_RASTER_BYTES_ENV}=BYTES, "
+            f"or max_bytes=)")
+
+
+def _check_file_size(ds, source: str, max_bytes: int | None) -> None:
+    """:func:`_check_size` for one open rasterio dataset (its widest band dtype)."""
+    _check_size(source, ds.width, ds.height, ds.count, max(map(np.dtype, ds.dtypes), key=lambda d: d.itemsize),
+                max_bytes)
+
+
+def _missing_words(nodata) -> str:
+    return "not finite (NaN/inf)" if nodata is None else f"nodata ({nodata}) or not finite (NaN/inf)"
+
+
+def missing_values(data: np.ndarray, nodata: float | None = None) -> np.ndarray:
+    """``(C, H, W)`` bool, True where a value is not data: equal to the file's ``nodata`` value,
+    or not finite (NaN, +-inf) in a float raster (a nodata of NaN, which equals nothing, is covered
+    by the latter). A NaN left in a scene would turn every statistic it enters, and through them
+    every tile, to NaN.
+    """
+    data = np.asarray(data)
+    missing = ~np.isfinite(data) if data.dtype.kind in "fc" else np.zeros(data.shape, dtype=bool)
+    if nodata is not None:
+        missing |= data == nodata
+    return missing
 
 
 def _rasterio():
@@ -111,6 +202,7 @@ def read_raster(
     bands: Sequence[str] | None = None,
     resolution: float | None = None,
     resampling: str = "bilinear",
+    max_bytes: int | None = None,
 ) -> Raster:
     """Read one multi-band raster, or several rasters (e.g. one per band) onto a common grid.
 
@@ -121,10 +213,14 @@ def read_raster(
         bands: band names to keep, in this order (names from the files' band descriptions, or
             from single-band file names ``*_B04.jp2``); ``None`` keeps all.
         resampling: a rasterio resampling name (``"bilinear"``, ``"average"``, ``"nearest"``, ...).
+        max_bytes: the most bytes the pixels read may take (width x height x bands x bytes per
+            value, of the file or of the common grid); default :func:`raster_byte_limit`
+            (``DOMAINFM_MAX_RASTER_BYTES``, else :data:`MAX_RASTER_BYTES`, 2 GiB).
 
     Raises:
         FileNotFoundError / ValueError naming the file and what was wrong (missing file,
-        different CRS, no overlap, unknown band).
+        different CRS, no overlap, unknown band); :class:`RasterTooLarge` (before any pixel is
+        read) naming the file, its size in memory and the limit.
     """
     rasterio = _rasterio()
     import rasterio.errors
@@ -159,6 +255,7 @@ def read_raster(
         names = [n for ds, f in zip(datasets, files) for n in _band_names_of(ds, f)]
         if len(datasets) == 1 and resolution is None:
             ds = datasets[0]
+            _check_file_size(ds, str(files[0]), max_bytes)
             data = ds.read()
             res = (abs(ds.transform.a), abs(ds.transform.e))
             raster = Raster(data, names, ds.transform, crs, res, ds.nodata)
@@ -174,6 +271,11 @@ def read_raster(
             if width < 1 or height < 1:
                 raise SatelliteDataError(f"resolution={res} leaves no pixel in the common extent")
             right, bottom = left + width * res, top - height * res
+            dtypes = {np.dtype(d) for ds in datasets for d in ds.dtypes}
+            # mixed dtypes are concatenated as float32
+            grid_dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
+            _check_size(", ".join(map(str, files)), width, height, sum(ds.count for ds in datasets), grid_dtype,
+                        max_bytes)
             out = []
             for ds in datasets:
                 window = from_bounds(left, bottom, right, top, transform=ds.transform)
@@ -244,14 +346,17 @@ def match_bands(names: Sequence[str], wanted: Sequence[str], *, source: str = "i
 
 
 class ModelInput(NamedTuple):
-    """A scene prepared for a model (unpacks as ``image, raster, bands``)."""
+    """A scene prepared for a model (unpacks as ``image, raster, bands, valid``)."""
 
-    #: ``(C, H, W)`` float32 in the model's band order, normalised as in training
+    #: ``(C, H, W)`` float32 in the model's band order, normalised as in training; a missing value
+    #: (:func:`missing_values`) holds 0, the band's mean
     image: torch.Tensor
     #: the file as read (every band, its dtype, CRS and transform)
     raster: Raster
     #: the model's band names, in order
     bands: list[str]
+    #: ``(H, W)`` bool: pixels where at least one of the model's bands holds data
+    valid: np.ndarray
 
 
 def read_scene_for_model(path: str | os.PathLike, *, bands: Sequence[str] | None = None,
@@ -263,12 +368,18 @@ def read_scene_for_model(path: str | os.PathLike, *, bands: Sequence[str] | None
     statistics, ignoring nodata, as :func:`load_scene` computes them for a scene without given
     statistics).
 
+    Missing values (the file's nodata value, or NaN/inf in a float file; :func:`missing_values`)
+    are left out of the statistics and set to the band mean (0 once normalised) in ``image``, so
+    that a hole is neutral input whichever way the file marks it; ``valid`` is False where every
+    selected band is missing.
+
     Args:
         dtype: the pixel dtype the model was trained on (e.g. ``uint16`` reflectance x 10000);
             a file of another dtype is refused, since its scaling would differ.
 
     Raises:
-        SatelliteDataError naming the file and both band sets (or dtypes) on a mismatch.
+        SatelliteDataError naming the file and both band sets (or dtypes) on a mismatch, or when
+        no selected value holds data; :class:`RasterTooLarge` (before reading) over the memory limit.
     """
     path = Path(path)
     raster = read_raster(path)
@@ -288,26 +399,39 @@ def read_scene_for_model(path: str | os.PathLike, *, bands: Sequence[str] | None
     if stats is not None and stats.n_bands != len(index):
         raise SatelliteDataError(f"{path}: the model's statistics are for {stats.n_bands} bands but {len(index)} "
                                  f"were selected ({names})")
-    pixels = raster.data[index].astype(np.float32)
-    stats = stats or BandStats.compute(pixels, raster.nodata)
-    return ModelInput(stats.normalize(torch.from_numpy(pixels)), raster, names)
+    selected = raster.data[index]
+    pixels = selected.astype(np.float32)
+    missing = missing_values(selected, raster.nodata) | ~np.isfinite(pixels)  # float64 beyond float32's range too
+    if missing.all():
+        raise SatelliteDataError(f"{path}: every value of bands {names} is {_missing_words(raster.nodata)}; "
+                                 f"there is no pixel to read")
+    if missing.any():
+        pixels[missing] = np.nan
+    stats = stats or BandStats.compute(pixels, source=str(path), band_names=names)
+    image = stats.normalize(torch.from_numpy(pixels))
+    if missing.any():
+        image.masked_fill_(torch.from_numpy(missing), 0.0)
+    return ModelInput(image, raster, names, ~missing.all(0))
 
 
 def tile_origins(height: int, width: int, tile_size: int, stride: int | None = None, *,
-                 edge: str = "shift") -> list[tuple[int, int]]:
+                 edge: str = "shift", source: str | None = None) -> list[tuple[int, int]]:
     """Top-left ``(row, col)`` of the tiles covering a ``height x width`` scene, row-major.
 
     Tiles start every ``stride`` pixels (default ``tile_size``). ``edge="shift"`` adds, where the
     grid leaves a strip at the bottom/right, one last tile flush with the edge (overlapping its
-    neighbour), so every pixel is covered; ``edge="drop"`` leaves the strip uncovered.
+    neighbour), so every pixel is covered; ``edge="drop"`` leaves the strip uncovered. Errors
+    start with ``source`` (the scene's file) when given.
     """
     stride = stride or tile_size
+    at = f"{source}: " if source else ""
     if tile_size < 1 or stride < 1:
-        raise SatelliteDataError(f"tile_size={tile_size}, stride={stride}: both must be >= 1")
+        raise SatelliteDataError(f"{at}tile_size={tile_size}, stride={stride}: both must be >= 1")
     if tile_size > height or tile_size > width:
-        raise SatelliteDataError(f"tile_size={tile_size} does not fit a scene of {height} x {width} pixels")
+        raise SatelliteDataError(f"{at}tile_size={tile_size} does not fit a scene of {height} x {width} pixels "
+                                 f"(height x width); use a smaller tile size or a larger scene")
     if edge not in ("shift", "drop"):
-        raise SatelliteDataError(f"edge={edge!r}: expected 'shift' or 'drop'")
+        raise SatelliteDataError(f"{at}edge={edge!r}: expected 'shift' or 'drop'")
 
     def starts(n: int) -> list[int]:
         out = list(range(0, n - tile_size + 1, stride))
@@ -361,15 +485,19 @@ class BandStats:
         return len(self.mean)
 
     @classmethod
-    def compute(cls, data: np.ndarray | torch.Tensor, nodata: float | None = None) -> "BandStats":
-        """Statistics of ``(C, H, W)`` (or ``(N, C, H, W)``) pixels, ignoring ``nodata`` values."""
+    def compute(cls, data: np.ndarray | torch.Tensor, nodata: float | None = None, *, source: str = "BandStats.compute",
+                band_names: Sequence[str] | None = None) -> "BandStats":
+        """Statistics of ``(C, H, W)`` (or ``(N, C, H, W)``) pixels, ignoring missing values
+        (``nodata``, NaN, +-inf: :func:`missing_values`). Errors start with ``source``."""
         arr = np.asarray(data, dtype=np.float64)
         arr = np.moveaxis(arr, -3, 0).reshape(arr.shape[-3], -1)
         mean, std = [], []
-        for band in arr:
-            valid = band[band != nodata] if nodata is not None else band
+        for i, band in enumerate(arr):
+            valid = band[~missing_values(band, nodata)]
             if valid.size == 0:
-                raise SatelliteDataError("BandStats.compute: a band has no valid pixel")
+                name = f" ({band_names[i]})" if band_names is not None else ""
+                raise SatelliteDataError(f"{source}: band {i + 1}{name} has no valid value (every one is "
+                                         f"{_missing_words(nodata)})")
             mean.append(float(valid.mean()))
             std.append(float(max(valid.std(), 1e-6)))
         return cls(mean, std)
@@ -461,6 +589,7 @@ def _read_image(path: Path, n_bands: int | None, bands: Sequence[int] | None) ->
     if suffix in _RASTER_SUFFIXES:
         rasterio = _rasterio()
         with rasterio.open(path) as ds:
+            _check_file_size(ds, str(path), None)
             data = ds.read()
     elif suffix == ".npy":
         data = np.load(path, allow_pickle=False)

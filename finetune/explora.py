@@ -20,7 +20,11 @@ Apply a model (:func:`predict`, :func:`embed`; ``domainfm predict|embed explora`
 scene is read through :mod:`domainfm.data_loaders.satellite`, its bands selected, ordered and
 normalised as in training (:func:`inference_settings`), cut into tiles
 (:func:`~domainfm.data_loaders.satellite.tile_origins`) and each tile classified or embedded; class
-ids are stitched into a class-map GeoTIFF with the scene's CRS, transform and size.
+ids are stitched into a class-map GeoTIFF with the scene's CRS, transform and size. A missing value
+(the file's nodata, or NaN/inf in a float file) is left out of the statistics and fed as the band
+mean; a pixel missing in every band the model reads is nodata in the map, and a tile with no such
+pixel is skipped. ``--output``, ``--probability`` and ``--plot`` are committed together
+(:func:`domainfm.atomic.atomic_paths`): when one cannot be written, none is left behind.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from domainfm.atomic import atomic_paths
 from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
@@ -414,8 +419,9 @@ class ClassMap:
     """What :func:`predict` returns: the stitched map and the per-tile results behind it."""
 
     #: ``(H, W)`` class ids (uint8, or uint16 beyond 255 classes), ``nodata`` where no tile covers
+    #: and where every band the model reads is missing (the input's nodata, NaN or inf)
     classes: np.ndarray
-    #: ``(H, W)`` float32 probability of the chosen class, NaN where no tile covers
+    #: ``(H, W)`` float32 probability of the chosen class, NaN where ``classes`` is nodata
     probability: np.ndarray
     #: ``(N,)`` class id of each tile, ``(N, K)`` its class probabilities
     tile_classes: np.ndarray
@@ -440,13 +446,13 @@ def _prepare(path, model: nn.Module, settings: InferenceSettings | None, *, stri
         raise S.SatelliteDataError(f"{path}: {scene.image.shape[0]} bands {scene.bands} selected but the model takes "
                                    f"{n_model} bands")
     _, height, width = scene.image.shape
-    origins = S.tile_origins(height, width, settings.tile_size, stride, edge=edge)
-    if scene.raster.nodata is not None:  # a tile with no valid pixel is not classified
-        valid = (scene.raster.data != scene.raster.nodata).any(0)
-        ts = settings.tile_size
-        origins = [(r, c) for r, c in origins if valid[r:r + ts, c:c + ts].any()]
+    ts = settings.tile_size
+    origins = S.tile_origins(height, width, ts, stride, edge=edge, source=str(path))
+    if not scene.valid.all():  # a tile with no valid pixel is not classified
+        origins = [(r, c) for r, c in origins if scene.valid[r:r + ts, c:c + ts].any()]
         if not origins:
-            raise S.SatelliteDataError(f"{path}: every tile is nodata ({scene.raster.nodata})")
+            raise S.SatelliteDataError(f"{path}: no {ts} x {ts} tile (edge={edge!r}) covers a pixel with data in bands "
+                                       f"{scene.bands}; the others are nodata ({scene.raster.nodata}), NaN or inf")
     return settings, scene, origins
 
 
@@ -479,7 +485,10 @@ def predict(path: str | os.PathLike, model: nn.Module, settings: InferenceSettin
     ``edge="shift"`` adds a last tile flush with the bottom/right edge so that every pixel is
     covered, ``edge="drop"`` leaves that strip as nodata. Where tiles overlap each pixel takes the
     class of the covering tile whose centre is nearest
-    (:func:`~domainfm.data_loaders.satellite.stitch_tiles`). Input nodata pixels stay nodata.
+    (:func:`~domainfm.data_loaders.satellite.stitch_tiles`). A pixel missing in every band the
+    model reads (the file's nodata value, NaN or inf) stays nodata; a missing value is left out of
+    the scene's statistics and fed to the model as the band mean
+    (:func:`~domainfm.data_loaders.satellite.read_scene_for_model`).
 
     Precision: ``auto`` is bf16 autocast where the device multiplies bf16 natively (this CPU
     included), fp32 elsewhere. Measured on the shipped scene (729 tiles) with the embedded
@@ -492,7 +501,7 @@ def predict(path: str | os.PathLike, model: nn.Module, settings: InferenceSettin
 
     settings, scene, origins = _prepare(path, model, settings, stride=stride, edge=edge)
     if not settings.classes:
-        raise S.SatelliteDataError(f"predict: the model has no classification head (n_outputs=0); use embed")
+        raise S.SatelliteDataError("predict: the model has no classification head (n_outputs=0); use embed")
     logits, resolved = _apply(model, scene.image, origins, settings, "predict", precision, device, batch_size)
     probs = torch.softmax(torch.from_numpy(logits), dim=-1).numpy()
     tile_classes = probs.argmax(-1)
@@ -501,9 +510,8 @@ def predict(path: str | os.PathLike, model: nn.Module, settings: InferenceSettin
     shape = scene.image.shape[1:]
     classes = S.stitch_tiles(tile_classes.astype(dtype), origins, shape, settings.tile_size, fill=nodata)
     probability = S.stitch_tiles(probs.max(-1).astype(np.float32), origins, shape, settings.tile_size, fill=np.nan)
-    if scene.raster.nodata is not None:
-        invalid = ~(scene.raster.data != scene.raster.nodata).any(0)
-        classes[invalid], probability[invalid] = nodata, np.nan
+    invalid = ~scene.valid
+    classes[invalid], probability[invalid] = nodata, np.nan
     return ClassMap(classes, probability, tile_classes, probs, origins, settings.tile_size, list(settings.classes),
                     nodata, scene.raster, settings, resolved)
 
@@ -570,10 +578,11 @@ def _rgb(raster) -> np.ndarray:
     from domainfm.data_loaders import satellite as S
 
     try:
-        bands = raster.data[S.match_bands(raster.band_names, ["red", "green", "blue"])].astype(np.float32)
+        raw = raster.data[S.match_bands(raster.band_names, ["red", "green", "blue"])]
     except S.SatelliteDataError:
-        bands = np.repeat(raster.data[:1].astype(np.float32), 3, axis=0)
-    valid = bands if raster.nodata is None else np.where(bands == raster.nodata, np.nan, bands)
+        raw = np.repeat(raster.data[:1], 3, axis=0)
+    bands = raw.astype(np.float32)
+    valid = np.where(S.missing_values(raw, raster.nodata) | ~np.isfinite(bands), np.nan, bands)
     lo, hi = np.nanpercentile(valid, 2, axis=(1, 2)), np.nanpercentile(valid, 98, axis=(1, 2))
     out = (bands - lo[:, None, None]) / np.maximum(hi - lo, 1e-6)[:, None, None]
     return np.nan_to_num(np.clip(out, 0, 1)).transpose(1, 2, 0)
@@ -643,6 +652,22 @@ def _parse(command: str, argv: list[str]):
     return parser.parse_args(argv)
 
 
+def _check_outputs(outputs: dict[str, str | None]) -> None:
+    """Refuse, before any work, an output path that can never be written: an existing folder, or a
+    path under a file (``--option`` -> path; None is an output not asked for)."""
+    from domainfm.errors import InputError
+
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        target = Path(path)
+        if target.is_dir():
+            raise InputError(f"{option} {target}: is a folder; give a file name")
+        blocking = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise InputError(f"{option} {target}: {blocking} is a file, not a folder")
+
+
 def _load(args):
     from domainfm.experiment.inference import load_model
 
@@ -653,6 +678,7 @@ def _load(args):
 def predict_main(argv: list[str]) -> int:
     """``domainfm predict explora --model RUN_OR_MODEL --input scene.tif --output classmap.tif``."""
     args = _parse("predict", argv)
+    _check_outputs({"--output": args.output, "--probability": args.probability, "--plot": args.plot})
     model, settings = _load(args)
     if not settings.classes:
         print(f"domainfm predict explora: error: {args.model} has no classification head; use `domainfm embed explora`",
@@ -660,9 +686,11 @@ def predict_main(argv: list[str]) -> int:
         return 2
     result = predict(args.input, model, settings, stride=args.stride, edge=args.edge, precision=args.precision,
                      device=args.device, batch_size=args.batch_size)
-    write_class_map(result, args.output, probability_path=args.probability, model_name=str(args.model))
-    if args.plot:
-        plot_class_map(result, args.plot, title=f"{Path(args.input).name}: {Path(str(args.model)).name}")
+    # written to temporaries and renamed together: an unwritable --plot leaves no class map behind
+    with atomic_paths(args.output, args.probability, args.plot) as (output, probability, plot):
+        write_class_map(result, output, probability_path=probability, model_name=str(args.model))
+        if plot is not None:
+            plot_class_map(result, plot, title=f"{Path(args.input).name}: {Path(str(args.model)).name}")
     counts = np.bincount(result.tile_classes, minlength=len(result.class_names))
     print(f"predict explora: {len(result.origins)} tiles of {result.tile_size} px ({result.precision}) -> {args.output}; "
           + ", ".join(f"{n}: {c}" for n, c in zip(result.class_names, counts)))
@@ -672,6 +700,7 @@ def predict_main(argv: list[str]) -> int:
 def embed_main(argv: list[str]) -> int:
     """``domainfm embed explora --model RUN_OR_MODEL --input scene.tif --output tiles.npz``."""
     args = _parse("embed", argv)
+    _check_outputs({"--output": args.output})
     model, settings = _load(args)
     result = embed(args.input, model, settings, stride=args.stride, edge=args.edge, precision=args.precision,
                    device=args.device, batch_size=args.batch_size)

@@ -1,5 +1,7 @@
 """Satellite loading: GeoTIFF round trip, mixed resolutions, band selection, normalisation,
 datasets and crop transforms on any band count."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -193,3 +195,73 @@ def test_read_scene_for_model_selects_by_name_normalises_and_checks_dtype(tmp_pa
     (tmp_path / "not.tif").write_text("hello")
     with pytest.raises(S.SatelliteDataError, match="not.tif: not a raster"):
         S.read_scene_for_model(tmp_path / "not.tif")
+
+
+def test_non_finite_values_are_missing_like_nodata_in_statistics_and_the_model_input(tmp_path):
+    data = _scene(c=3, dtype=np.float32)
+    data[0, 2, 3], data[1, 4, 5], data[:, 6, 7] = np.nan, np.inf, -np.inf
+    as_nodata = data.copy()
+    as_nodata[~np.isfinite(as_nodata)] = -9999.0
+    finite = [band[np.isfinite(band)] for band in data.astype(np.float64)]
+    for nodata, pixels in ((None, data), (-9999.0, as_nodata)):
+        stats = S.BandStats.compute(pixels, nodata)
+        assert stats.mean == pytest.approx([b.mean() for b in finite], rel=1e-9)
+        assert stats.std == pytest.approx([b.std() for b in finite], rel=1e-9)
+    nan_path = S.write_geotiff(tmp_path / "nan.tif", data, transform=from_origin(0, 0, 10, 10), crs="EPSG:32618",
+                               band_names=["B02", "B03", "B04"])
+    nodata_path = S.write_geotiff(tmp_path / "nodata.tif", as_nodata, transform=from_origin(0, 0, 10, 10),
+                                  crs="EPSG:32618", band_names=["B02", "B03", "B04"], nodata=-9999.0)
+    a, b = S.read_scene_for_model(nan_path), S.read_scene_for_model(nodata_path)
+    assert torch.isfinite(a.image).all()
+    torch.testing.assert_close(a.image, b.image, atol=1e-6, rtol=0)
+    # a missing value is the band mean (0 once normalised); a pixel is valid while any band holds data
+    assert float(a.image[0, 2, 3]) == 0.0 and float(a.image[1, 4, 5]) == 0.0 and (a.image[:, 6, 7] == 0).all()
+    np.testing.assert_array_equal(a.valid, b.valid)
+    assert a.valid.sum() == a.valid.size - 1 and not a.valid[6, 7] and a.valid[2, 3] and a.valid[4, 5]
+    nothing = S.write_geotiff(tmp_path / "nothing.tif", np.full((2, 4, 4), np.nan, np.float32),
+                              transform=from_origin(0, 0, 10, 10), crs="EPSG:32618")
+    with pytest.raises(S.SatelliteDataError, match=re.escape(f"{nothing}: every value")):
+        S.read_scene_for_model(nothing)
+    with pytest.raises(S.SatelliteDataError, match="x.tif: band 2 has no valid value"):
+        S.BandStats.compute(np.stack([data[0], np.full_like(data[0], np.nan)]), source="x.tif")
+
+
+def test_a_raster_over_the_memory_limit_is_refused_before_its_pixels_are_read(tmp_path, monkeypatch):
+    import tracemalloc
+
+    huge = tmp_path / "huge.tif"
+    with rasterio.open(huge, "w", driver="GTiff", width=100000, height=100000, count=3, dtype="uint8", tiled=True,
+                       sparse_ok=True, crs="EPSG:32618", transform=from_origin(0, 0, 10, 10)):
+        pass  # nothing written: a sparse file of a few MB claiming 100000 x 100000 x 3 bytes
+    assert huge.stat().st_size < 16 * 2**20
+    tracemalloc.start()
+    try:
+        with pytest.raises(S.RasterTooLarge) as err:
+            S.read_raster(huge)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, peak  # refused before any pixel buffer exists
+    message = str(err.value)
+    assert str(huge) in message and "27.9 GiB" in message and "limit of 2.0 GiB" in message
+    assert S.MAX_RASTER_BYTES_ENV in message and "max_bytes" in message
+    with pytest.raises(S.RasterTooLarge, match=re.escape(str(huge))):
+        S.read_scene_for_model(huge)
+    # the limit is a keyword or an environment variable; equal to the size is allowed
+    small = S.write_geotiff(tmp_path / "s.tif", _scene(c=3), transform=from_origin(0, 0, 10, 10), crs="EPSG:32618")
+    size = 3 * 20 * 24 * 2
+    assert S.read_raster(small, max_bytes=size).data.shape == (3, 20, 24)
+    with pytest.raises(S.RasterTooLarge, match=r"over the limit of 2.8 KiB \(2879 bytes\)"):
+        S.read_raster(small, max_bytes=size - 1)
+    monkeypatch.setenv(S.MAX_RASTER_BYTES_ENV, str(size - 1))
+    with pytest.raises(S.RasterTooLarge, match=re.escape(f"{small}: 24 x 20 pixels x 3 bands of uint16")):
+        S.read_raster(small)
+    monkeypatch.setenv(S.MAX_RASTER_BYTES_ENV, "lots")
+    from domainfm.errors import InputError
+
+    with pytest.raises(InputError, match=f"{S.MAX_RASTER_BYTES_ENV}='lots'"):
+        S.read_raster(small)
+    monkeypatch.delenv(S.MAX_RASTER_BYTES_ENV)
+    # resampling onto a finer grid is checked on the grid it would allocate
+    with pytest.raises(S.RasterTooLarge, match="24000 x 20000 pixels"):
+        S.read_raster(small, resolution=0.01)
