@@ -38,6 +38,9 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) == str(tmp):
+            # the user asked for ``path``; the hidden temporary beside it means nothing to them
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
         if (type(exc) is RuntimeError or (type(exc) is OSError and exc.filename is None)) and str(path) not in str(exc):
             # writers such as torch.save report a full or read-only disk without naming the file
             # (only those bare errors: a caller's own exception types pass through unchanged)
