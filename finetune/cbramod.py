@@ -38,16 +38,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from domainfm.experiment.inference import positive_float, positive_int  # argparse types
 from domainfm.data_loaders import eeg
 from domainfm.data_loaders.eeg_demo import DEMO_LABELS_NOTE, DEMO_REGIONS, build_demo_task
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, Retained, TaskData
+from domainfm.experiment import apply
 from domainfm.finetune.supervised import LoraSettings
 
 __all__ = ["Config", "DataSection", "RetainedSection", "DEMO_REGIONS", "FAMILY", "RETAINED", "InferenceSettings",
-           "build_demo_task", "build_task", "class_names", "embed", "embed_main", "evaluate", "inference_settings",
-           "masked_reconstruction_error", "predict", "predict_main", "retained_windows", "run"]
+           "APPLY", "build_demo_task", "build_task", "class_names", "embed", "evaluate", "inference_settings",
+           "masked_reconstruction_error", "predict", "retained_windows", "run"]
 
 LORA_TARGETS = ["encoder.layers.*.self_attn_*.in_proj", "encoder.layers.*.self_attn_*.out_proj",
                 "encoder.layers.*.linear1", "encoder.layers.*.linear2"]
@@ -312,19 +312,6 @@ RETAINED = Retained(
                 "windows outside the task (default: channels of the shipped recording the task does not use)")
 
 
-def _save_inference_settings(ctx) -> dict[str, Any]:
-    """Record how recordings become this arm's inputs beside its saved model (``model/
-    eeg_settings.json``), so that a copied model folder predicts as it was trained."""
-    cfg = ctx.cfg
-    if ctx.seed != cfg.train.seed + cfg.adapt.seeds[0]:
-        return {}  # only the first seed's model is saved
-    settings = settings_from_config(cfg, ctx.model, source="fine-tuning config")
-    from domainfm.atomic import atomic_write_json
-
-    atomic_write_json(Path(ctx.run_dir) / "model" / SETTINGS_FILE, settings.to_json())
-    return {}
-
-
 FAMILY = Family(
     name="cbramod",
     config=Config,
@@ -332,7 +319,7 @@ FAMILY = Family(
     model_kwargs=lambda cfg, task: {"n_chans": task.info["n_chans"], "n_times": task.info["n_times"],
                                     "n_outputs": cfg.n_outputs, "reconstruction_head": False},
     head="head",
-    protocols=[_save_inference_settings],
+    protocols=[lambda ctx: _save_inference_settings(ctx)],
     retained=RETAINED,
 )
 run, evaluate = FAMILY.run, FAMILY.evaluate
@@ -341,7 +328,8 @@ run, evaluate = FAMILY.run, FAMILY.evaluate
 # ----------------------------------------------------------------------------- predict / embed
 
 #: written beside a fine-tuned arm's saved model: how recordings become its inputs
-SETTINGS_FILE = "eeg_settings.json"
+SETTINGS_FILE = apply.SETTINGS_FILE
+_LEGACY_SETTINGS_FILE = "eeg_settings.json"  # the name runs before the shared apply layer wrote
 
 
 @dataclass
@@ -407,25 +395,43 @@ def _card_settings(model: nn.Module) -> InferenceSettings:
                              source="model card (200 Hz, 0.3-75 Hz, 60 Hz notch, 100 uV; no recorded pipeline)")
 
 
-def inference_settings(model_arg: Any, model: nn.Module, *, arm: str | None = None) -> InferenceSettings:
-    """Where predict/embed take the windowing from, first found: the ``eeg_settings.json`` a
-    fine-tuning run writes beside each arm's saved model; the run's ``config.yaml`` when
-    ``model_arg`` is (or lies in) a run folder; the model card's input spec otherwise."""
-    from domainfm.experiment.inference import resolve_model_dir, run_config
-
-    if isinstance(model_arg, (str, Path)):
-        model_dir = resolve_model_dir(model_arg, arm)
-        if model_dir is not None and (model_dir / SETTINGS_FILE).is_file():
-            path = model_dir / SETTINGS_FILE
-            try:
-                data = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise eeg.EEGError(f"{path}: not valid JSON ({exc})") from exc
+def _settings(ref: apply.ModelRef, model: nn.Module) -> InferenceSettings:
+    for name in (SETTINGS_FILE, _LEGACY_SETTINGS_FILE):
+        recorded = ref.recorded(name)
+        if recorded is not None:
+            data, path = recorded
             return InferenceSettings.from_json(data, str(path))
-        cfg = run_config(model_dir or model_arg, Config)
-        if cfg is not None:
-            return settings_from_config(cfg, model, source=f"run config of {model_arg}")
+    cfg = ref.run_config(Config)
+    if cfg is not None:
+        return settings_from_config(cfg, model, source=f"run config of {ref.label}")
     return _card_settings(model)
+
+
+def inference_settings(model_arg: Any, model: nn.Module, *, arm: str | None = None) -> InferenceSettings:
+    """Where predict/embed take the windowing from, first found: the settings a fine-tuning run
+    writes beside each arm's saved model (``apply_settings.json``); the run's ``config.yaml`` when
+    ``model_arg`` is (or lies in) a run folder; the model card's input spec otherwise."""
+    return _settings(apply.ModelRef.of(model_arg, arm), model)
+
+
+def _save_inference_settings(ctx) -> dict[str, Any]:
+    """Record how recordings become this arm's inputs beside its saved model, so that a copied
+    model folder predicts as it was trained."""
+    cfg = ctx.cfg
+    if ctx.seed != cfg.train.seed + cfg.adapt.seeds[0]:
+        return {}  # only the first seed's model is saved
+    apply.write_settings(Path(ctx.run_dir) / "model", settings_from_config(cfg, ctx.model, source="fine-tuning config").to_json())
+    return {}
+
+
+
+@dataclass
+class ApplyOptions:
+    channels: list[str] | None = apply.option(
+        None, "comma-separated channel names replacing the model's channel list (same count and order)")
+    stride_s: float | None = apply.option(None, "window step in seconds (default: the window length)")
+    allow_upsample: bool = apply.option(False, "accept a recording sampled below the model's rate (upsampled; adds "
+                                               "no content)")
 
 
 def _apply_overrides(settings: InferenceSettings, *, channels: list[str] | None = None,
@@ -438,35 +444,88 @@ def _apply_overrides(settings: InferenceSettings, *, channels: list[str] | None 
     return dataclasses.replace(settings, eeg=dataclasses.replace(settings.eeg, **changes)) if changes else settings
 
 
-def _windows(recording, model: nn.Module, settings: InferenceSettings, stride_s: float | None):
+@dataclass
+class _Windows:
+    x: np.ndarray
+    starts: np.ndarray
+    settings: InferenceSettings
+    source: str
+
+
+def _read(recording, settings: InferenceSettings, options: ApplyOptions | None) -> _Windows:
+    options = options or ApplyOptions()
+    settings = _apply_overrides(settings, channels=options.channels, allow_upsample=options.allow_upsample)
     source = str(recording) if isinstance(recording, (str, Path)) else getattr(recording, "filenames_for_errors", None)
-    x, starts = eeg.recording_windows(recording, settings.eeg, stride_s=stride_s, reference_all=settings.reference_all,
-                                      source=source)
-    where = source or "<recording>"
-    n_chans = getattr(model, "n_chans", None)
-    head = getattr(model, "head", None)
-    if n_chans and head is not None and getattr(head, "head_type", None) == "all_patch_reps" and x.shape[1] != n_chans:
-        picked = settings.eeg.channels or "every EEG channel of the file"
-        raise eeg.EEGError(
-            f"{where}: the model takes {n_chans} channels but the recording gives {x.shape[1]} ({picked}); name "
-            f"{n_chans} channels with --channels (Python: channels=[...]), in the order the model was trained on")
+    x, starts = eeg.recording_windows(recording, settings.eeg, stride_s=options.stride_s,
+                                      reference_all=settings.reference_all, source=source)
     if x.shape[-1] % 200:
-        raise eeg.EEGError(f"{where}: window_s={settings.eeg.window_s} gives {x.shape[-1]} samples, not whole 1-s patches")
-    return x, starts
+        raise eeg.EEGError(f"{source or '<recording>'}: window_s={settings.eeg.window_s} gives {x.shape[-1]} samples, "
+                           "not whole 1-s patches")
+    return _Windows(x, starts.astype(np.float64), settings, source or "<recording>")
 
 
-def _batches(x: np.ndarray, batch_size: int):
-    for start in range(0, len(x), batch_size):
-        yield torch.from_numpy(x[start:start + batch_size])
+def _check_channels(data: _Windows, model: nn.Module) -> None:
+    n_chans, head = getattr(model, "n_chans", None), getattr(model, "head", None)
+    if n_chans and head is not None and getattr(head, "head_type", None) == "all_patch_reps" and data.x.shape[1] != n_chans:
+        picked = data.settings.eeg.channels or "every EEG channel of the file"
+        raise eeg.EEGError(
+            f"{data.source}: the model takes {n_chans} channels but the recording gives "
+            f"{data.x.shape[1]} ({picked}); name {n_chans} channels with --channels (Python: channels=[...]), in the "
+            "order the model was trained on")
 
 
-def _resolve_model(model, arm=None, pretrained=None):
-    from domainfm.experiment.inference import load_model
+def _predict(data: _Windows, model: nn.Module, settings, options, run: apply.Runtime) -> apply.Output:
+    import pandas as pd
 
-    return load_model(model, arm=arm, pretrained=pretrained)
+    _check_channels(data, model)
+    logits = run.batched(model, torch.from_numpy(data.x))
+    frame = pd.DataFrame({"start_s": data.starts, "end_s": data.starts + data.settings.eeg.window_s})
+    summary = f"{len(frame)} windows (settings: {data.settings.source})"
+    if data.settings.task == "regression":
+        frame["predicted"] = logits.reshape(len(logits), -1)[:, 0].double().numpy()
+        return apply.Output(frame, summary=summary)
+    if logits.shape[-1] == 1:
+        p1 = torch.sigmoid(logits.reshape(-1).double())
+        probs = torch.stack([1 - p1, p1], dim=1).numpy()
+    else:
+        probs = torch.softmax(logits.double(), dim=-1).numpy()
+    names = data.settings.classes
+    if not names or len(names) != probs.shape[1]:
+        names = [str(i) for i in range(probs.shape[1])]
+    frame["predicted"] = np.asarray(names, dtype=object)[probs.argmax(axis=1)]
+    for i, name in enumerate(names):
+        frame[f"p_{name}"] = probs[:, i]
+    return apply.Output(frame, summary=f"{summary[:-1]}; {len(names)} classes)")
 
 
-@torch.no_grad()
+def _embed(data: _Windows, model: nn.Module, settings, options, run: apply.Runtime) -> apply.Output:
+    _check_channels(data, model)
+
+    def pooled(x):
+        features = model.forward_features(x)
+        return (model.forward_head(features, pre_logits=True) if getattr(model, "head", None) is not None
+                else features.mean(dim=(1, 2)))
+
+    emb = run.batched(pooled, torch.from_numpy(data.x)).numpy()
+    out = {"start_s": data.starts, "end_s": data.starts + data.settings.eeg.window_s, "embeddings": emb,
+           "channels": np.asarray(data.settings.eeg.channels or [], dtype=str)}
+    return apply.Output(out, summary=f"{emb.shape[0]} windows x {emb.shape[1]} (settings: {data.settings.source})")
+
+
+APPLY = apply.Applier(
+    family="cbramod",
+    input="one EEG recording (EDF/BDF/FIF/BrainVision .vhdr/EEGLAB .set)",
+    description="The recording is windowed as the model was trained: from the apply_settings.json beside a fine-tuned "
+                "model, the run's config.yaml, or the model card (200 Hz, 0.3-75 Hz, 60 Hz notch, 100 uV).",
+    read=_read, settings=_settings, options=ApplyOptions, batch_size=32,
+    predict=apply.Command(_predict, apply.TABLE, needs_head=True,
+                          what="CBraMod class probabilities per window (CSV: start_s, end_s, predicted, p_<class>)."),
+    embed=apply.Command(_embed, apply.ARRAYS, default_model="cbramod-base",
+                        what="Per-window CBraMod embeddings (.npz: start_s, end_s, embeddings (n, num_features), "
+                             "channels)."),
+)
+
+
 def predict(recording, model: str | Path | nn.Module, settings: InferenceSettings | None = None, *,
             channels: list[str] | None = None, stride_s: float | None = None, allow_upsample: bool = False,
             batch_size: int = 32, precision: str = "auto", arm: str | None = None):
@@ -493,44 +552,10 @@ def predict(recording, model: str | Path | nn.Module, settings: InferenceSetting
     per class (rows sum to 1; binary tasks: ``p_<neg>``, ``p_<pos>`` from the sigmoid). A
     regression model gives ``predicted`` only.
     """
-    import pandas as pd
-
-    from domainfm.precision import autocast
-
-    model_arg = model
-    model = _resolve_model(model, arm)
-    if getattr(model, "head", None) is None:
-        raise eeg.EEGError(f"predict cbramod: the model {model_arg if not isinstance(model_arg, nn.Module) else ''} has "
-                           "no classification head; use `domainfm embed cbramod` for features, or pass a fine-tuned "
-                           "model / run folder")
-    settings = settings or inference_settings(model_arg, model, arm=arm)
-    settings = _apply_overrides(settings, channels=channels, allow_upsample=allow_upsample)
-    x, starts = _windows(recording, model, settings, stride_s)
-    device = next(model.parameters()).device
-    outs = []
-    for batch in _batches(x, batch_size):
-        with autocast(precision, device):
-            outs.append(model(batch.to(device)).float().cpu())
-    logits = torch.cat(outs)
-    frame = pd.DataFrame({"start_s": starts.astype(np.float64), "end_s": starts + settings.eeg.window_s})
-    if settings.task == "regression":
-        frame["predicted"] = logits.reshape(len(logits), -1)[:, 0].double().numpy()
-        return frame
-    if logits.shape[-1] == 1:
-        p1 = torch.sigmoid(logits.reshape(-1).double())
-        probs = torch.stack([1 - p1, p1], dim=1).numpy()
-    else:
-        probs = torch.softmax(logits.double(), dim=-1).numpy()
-    names = settings.classes
-    if not names or len(names) != probs.shape[1]:
-        names = [str(i) for i in range(probs.shape[1])]
-    frame["predicted"] = np.asarray(names, dtype=object)[probs.argmax(axis=1)]
-    for i, name in enumerate(names):
-        frame[f"p_{name}"] = probs[:, i]
-    return frame
+    return apply.run("predict", APPLY, model, recording, settings=settings, arm=arm, precision=precision,
+                     batch_size=batch_size, options=ApplyOptions(channels, stride_s, allow_upsample)).value
 
 
-@torch.no_grad()
 def embed(recording, model: str | Path | nn.Module = "cbramod-base", settings: InferenceSettings | None = None, *,
           channels: list[str] | None = None, stride_s: float | None = None, allow_upsample: bool = False,
           batch_size: int = 32, precision: str = "auto", arm: str | None = None, pretrained: Any = None
@@ -541,81 +566,6 @@ def embed(recording, model: str | Path | nn.Module = "cbramod-base", settings: I
     last hidden layer, or the mean over channels and patches for ``avgpooling_patch_reps``); a
     model without a head (a pretrained backbone) gives the mean over channels and patches.
     Arguments as :func:`predict`; ``pretrained`` picks the weights of a model given by name."""
-    from domainfm.precision import autocast
-
-    model_arg = model
-    model = _resolve_model(model, arm, pretrained)
-    settings = settings or inference_settings(model_arg, model, arm=arm)
-    settings = _apply_overrides(settings, channels=channels, allow_upsample=allow_upsample)
-    x, starts = _windows(recording, model, settings, stride_s)
-    device = next(model.parameters()).device
-    outs = []
-    for batch in _batches(x, batch_size):
-        with autocast(precision, device):
-            features = model.forward_features(batch.to(device))
-            pooled = (model.forward_head(features, pre_logits=True) if getattr(model, "head", None) is not None
-                      else features.mean(dim=(1, 2)))
-        outs.append(pooled.float().cpu())
-    names = settings.eeg.channels or []
-    return {"start_s": starts.astype(np.float64), "end_s": starts + settings.eeg.window_s,
-            "embeddings": torch.cat(outs).numpy(), "channels": np.asarray(names, dtype=str)}
-
-
-def _parse(command: str, argv: list[str]):
-    import argparse
-
-    from domainfm.experiment.inference import add_model_arguments
-
-    what = ("class probabilities per window (CSV: start_s, end_s, predicted, p_<class>)" if command == "predict"
-            else "per-window embeddings (.npz: start_s, end_s, embeddings (n, num_features), channels)")
-    parser = argparse.ArgumentParser(
-        prog=f"domainfm {command} cbramod",
-        description=f"CBraMod {what} of one EEG recording (EDF/BDF/FIF/BrainVision .vhdr/EEGLAB .set). The "
-                    "recording is windowed as the model was trained: from the eeg_settings.json beside a fine-tuned "
-                    "model, the run's config.yaml, or the model card (200 Hz, 0.3-75 Hz, 60 Hz notch, 100 uV).")
-    add_model_arguments(parser, default_model="cbramod-base" if command == "embed" else None)
-    parser.add_argument("--channels", default=None,
-                        help="comma-separated channel names replacing the model's channel list (same count and order)")
-    parser.add_argument("--stride-s", type=positive_float, default=None, help="window step in seconds (default: the window length)")
-    parser.add_argument("--allow-upsample", action="store_true",
-                        help="accept a recording sampled below the model's rate (upsampled; adds no content)")
-    parser.add_argument("--batch-size", type=positive_int, default=32)
-    args = parser.parse_args(argv)
-    args.channels = [c.strip() for c in args.channels.split(",") if c.strip()] if args.channels else None
-    return args
-
-
-def predict_main(argv: list[str]) -> int:
-    """``domainfm predict cbramod --model RUN_OR_DIR --input rec.edf --output out.csv``."""
-    from domainfm.atomic import atomic_write_text
-
-    args = _parse("predict", argv)
-    if not Path(args.input).is_file():
-        raise eeg.EEGError(f"{args.input}: EEG file not found (--input)")
-    model = _resolve_model(args.model, args.arm, args.pretrained).to(args.device)
-    settings = inference_settings(args.model, model, arm=args.arm)
-    frame = predict(args.input, model, settings, channels=args.channels, stride_s=args.stride_s,
-                    allow_upsample=args.allow_upsample, batch_size=args.batch_size, precision=args.precision)
-    atomic_write_text(args.output, frame.to_csv(index=False))
-    classes = [c[2:] for c in frame.columns if c.startswith("p_")]
-    print(f"predict cbramod: {len(frame)} windows x {len(classes)} classes -> {args.output} (settings: {settings.source})")
-    return 0
-
-
-def embed_main(argv: list[str]) -> int:
-    """``domainfm embed cbramod --model MODEL_OR_RUN_DIR --input rec.edf --output emb.npz``."""
-    from domainfm.atomic import atomic_path
-
-    args = _parse("embed", argv)
-    if not Path(args.input).is_file():
-        raise eeg.EEGError(f"{args.input}: EEG file not found (--input)")
-    model = _resolve_model(args.model, args.arm, args.pretrained).to(args.device)
-    settings = inference_settings(args.model, model, arm=args.arm)
-    out = embed(args.input, model, settings, channels=args.channels, stride_s=args.stride_s,
-                allow_upsample=args.allow_upsample, batch_size=args.batch_size, precision=args.precision)
-    with atomic_path(args.output, suffix=".npz") as tmp:
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **out)
-    n, width = out["embeddings"].shape
-    print(f"embed cbramod: {n} windows x {width} -> {args.output} (settings: {settings.source})")
-    return 0
+    return apply.run("embed", APPLY, model, recording, settings=settings, arm=arm, pretrained=pretrained,
+                     precision=precision, batch_size=batch_size,
+                     options=ApplyOptions(channels, stride_s, allow_upsample)).value

@@ -301,6 +301,12 @@ def _cmd_apply(command: str, args) -> int:
     """``predict`` / ``embed``: ``domainfm.finetune.<family>.<command>_main(argv)`` parses the
     family's arguments (``--model``, ``--input``, ``--output`` and its own) and writes the output."""
     module = family_entry("finetune", args.family)
+    applier = getattr(module, "APPLY", None)
+    if applier is not None:
+        from domainfm.experiment import apply
+
+        applier.command(command)  # a family without this command: one-line error
+        return apply.main(command, applier, args.rest)
     entry = getattr(module, f"{command}_main", None)
     if entry is None:
         print(f"family {args.family!r} has no {command} command", file=sys.stderr)

@@ -151,7 +151,7 @@ def _write_brainvision(vhdr, raw):
 def test_embed_cli_width_values_and_copied_model_folder(runs, tmp_path):
     out = tmp_path / "emb.npz"
     model_dir = runs["files"] / "pretrained" / "model"
-    # a model folder copied out of its run keeps its windowing (eeg_settings.json beside it)
+    # a model folder copied out of its run keeps its windowing (apply_settings.json beside it)
     copied = tmp_path / "copied"
     shutil.copytree(model_dir, copied)
     assert (copied / ft.SETTINGS_FILE).is_file()

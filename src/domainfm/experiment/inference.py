@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["add_model_arguments", "load_model", "resolve_model_dir", "run_config", "run_report", "positive_int",
+__all__ = ["run_root", "add_model_arguments", "load_model", "resolve_model_dir", "run_config", "run_report", "positive_int",
            "positive_float", "unit_interval", "quantile_levels"]
 
 
@@ -115,7 +115,7 @@ def load_model(model: str | Path | nn.Module, *, arm: str | None = None, pretrai
     return create_model(str(model), pretrained=True if pretrained is None else pretrained, **kwargs).eval()
 
 
-def _run_root(model: str | Path) -> Path | None:
+def run_root(model: str | Path) -> Path | None:
     path = Path(str(model))
     if path.is_dir() and (path / "report.json").is_file() and (path / "config.yaml").is_file():
         return path
@@ -131,7 +131,7 @@ def run_config(model: str | Path, config_cls: type) -> Any | None:
     inside one), parsed into ``config_cls``; None otherwise. Predict/embed reuse its data
     settings (windowing, channels, normalisation, sub-slicing) so that inputs are prepared as in
     training."""
-    root = _run_root(model)
+    root = run_root(model)
     if root is None:
         return None
     from domainfm import config as cfgmod
@@ -141,7 +141,7 @@ def run_config(model: str | Path, config_cls: type) -> Any | None:
 
 def run_report(model: str | Path) -> dict[str, Any] | None:
     """The run's ``report.json`` (e.g. its class names) when ``model`` is, or is inside, a run folder."""
-    root = _run_root(model)
+    root = run_root(model)
     if root is None:
         return None
     import json
