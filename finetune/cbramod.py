@@ -43,7 +43,7 @@ from domainfm.data_loaders.eeg_demo import DEMO_LABELS_NOTE, DEMO_REGIONS, build
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, Retained, TaskData
 from domainfm.experiment import apply
-from domainfm.finetune.supervised import LoraSettings
+from domainfm.lora.settings import LoraSettings
 
 __all__ = ["Config", "DataSection", "RetainedSection", "DEMO_REGIONS", "FAMILY", "RETAINED", "InferenceSettings",
            "APPLY", "build_demo_task", "build_task", "class_names", "embed", "evaluate", "inference_settings",

@@ -42,8 +42,9 @@ from domainfm.atomic import atomic_paths
 from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
-from domainfm.finetune import metrics as M
-from domainfm.finetune.supervised import LoraSettings, SupervisedRecipe
+from domainfm.experiment import metrics as M
+from domainfm.experiment.supervised import SupervisedRecipe
+from domainfm.lora.settings import LoraSettings
 from domainfm.models.explora.satmae import freeze_fixed_encodings
 
 __all__ = ["Config", "DataSection", "ClassificationRecipe", "FAMILY", "LABELS_NOTE", "RETAINED", "InferenceSettings",

@@ -50,8 +50,8 @@ from domainfm.engine import TrainConfig, Trainer
 from domainfm.errors import InputError
 from domainfm.experiment import (AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained,
                                  StageSection, TaskData)
-from domainfm.finetune.in_context import SFTRecipe, in_context, zero_shot
-from domainfm.finetune.supervised import LoraSettings
+from domainfm.models.git.in_context import SFTRecipe, in_context, zero_shot
+from domainfm.lora.settings import LoraSettings
 from domainfm.models.git.tasks import TaskCollate, TaskItems, is_link, link_forward, task_forward
 
 __all__ = ["Config", "DataSection", "ProtocolSection", "RetainedSection", "FAMILY", "run", "evaluate",

@@ -34,7 +34,8 @@ from domainfm.data_loaders import spatial
 from domainfm.engine import TrainConfig
 from domainfm.errors import InputError
 from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, Retained, TaskData
-from domainfm.finetune.supervised import LoraSettings, SupervisedRecipe
+from domainfm.experiment.supervised import SupervisedRecipe
+from domainfm.lora.settings import LoraSettings
 from domainfm.pretrain.stofm import CellEncoderSection, SliceSettings, build_cell_encoder
 
 __all__ = ["Config", "DataSection", "FAMILY", "embed", "subslice_features", "build_task", "clustering_protocol",

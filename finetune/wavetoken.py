@@ -76,8 +76,8 @@ from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.atomic import atomic_write_text
 from domainfm.engine import Recipe, Trainer
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
-from domainfm.finetune.forecast_metrics import forecast_scores
-from domainfm.finetune.supervised import LoraSettings
+from domainfm.experiment.forecast_metrics import forecast_scores
+from domainfm.lora.settings import LoraSettings
 from domainfm.pretrain.wavetoken import ForecastRecipe
 
 __all__ = ["Config", "DataSection", "EvalSection", "RetainedSection", "FAMILY", "ForecastEvalRecipe",

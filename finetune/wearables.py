@@ -36,7 +36,7 @@ from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.data_loaders import wearables as W
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
-from domainfm.finetune.supervised import LoraSettings
+from domainfm.lora.settings import LoraSettings
 
 __all__ = ["Config", "DataSection", "ProbeSection", "FAMILY", "build_task", "probe_protocol", "handmade_features",
            "linear_probe", "run", "evaluate", "read_weeks", "predict", "embed", "predict_main", "embed_main",

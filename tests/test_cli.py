@@ -247,3 +247,14 @@ def test_config_takes_a_shipped_name_a_file_and_refuses_a_folder(tmp_path, capsy
         cli._config_file("fim", "pretrain", "nosuch")
     assert cli.main(["pretrain", "fim", "--config", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "is a folder" in capsys.readouterr().err
+    # a shipped name wins over a folder of that name in the working directory (a stage naming
+    # `pretrain` run from the repository root, where pretrain/ is a folder)
+    (tmp_path / "pretrain").mkdir()
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert cli._config_file("fim", "pretrain", "pretrain") == cfgmod.config_path("fim", "pretrain")
+    finally:
+        os.chdir(cwd)

@@ -22,7 +22,6 @@ download. Each run writes ``runs/<family>/<name>/`` with ``config.yaml``, ``run.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -30,27 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from domainfm.launch import config_file as _config_file, family_entry
+
 __all__ = ["main", "family_entry", "print_table"]
-
-
-def family_entry(kind: str, family: str):
-    """Import ``domainfm.<kind>.<family>`` and check that it provides ``Config`` and ``run``."""
-    module_name = f"domainfm.{kind}.{family}"
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        from domainfm import list_families
-
-        raise SystemExit(
-            f"domainfm {kind}: no {kind} entry for family {family!r} (module {module_name}). "
-            f"Families with models: {', '.join(list_families()) or 'none'}"
-        ) from None
-    for attr in ("Config", "run"):
-        if not hasattr(module, attr):
-            raise SystemExit(f"{module_name} must define {attr!r} to be run by the CLI")
-    return module
 
 
 def print_table(rows: dict[str, Any], title: str | None = None, file=None) -> None:
@@ -103,22 +84,6 @@ def _cmd_download(args) -> int:
         for url, path, digest in hub.download(source, progress=not args.quiet):
             print(f"{url} -> {path} (sha256 {digest}, verified: {source.pinned})")
     return 0
-
-
-def _config_file(family: str, kind: str, given: str | None) -> Path:
-    """``--config``: a YAML file, or the name of a config shipped for the family (``pretrain_demo``,
-    as stages name them); none: the family's ``<kind>.yaml``."""
-    from domainfm import config as cfgmod
-
-    if not given:
-        return cfgmod.config_path(family, kind)
-    path = Path(given)
-    if path.is_dir():
-        raise cfgmod.ConfigError(f"--config {given}: is a folder; expected a YAML file or the name of a shipped "
-                                 f"config ({', '.join(cfgmod.list_configs(family))})")
-    if path.is_file() or path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
-        return path
-    return cfgmod.config_path(family, given)
 
 
 def _run_family(kind: str, args) -> int:

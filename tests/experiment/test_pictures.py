@@ -142,7 +142,7 @@ def test_scores_come_from_the_recipe_and_the_matrix_from_them(tmp_path, tiny_zoo
     softmax-free logits, in dataset order."""
     from domainfm import create_model
     from domainfm.experiment.family import ArmContext
-    from domainfm.finetune.supervised import SupervisedRecipe
+    from domainfm.experiment.supervised import SupervisedRecipe
 
     torch.manual_seed(0)
     model = create_model("dfmtest-tiny", n_chans=4, n_outputs=3).eval()

@@ -17,7 +17,7 @@ from domainfm import config as cfgmod
 from domainfm import zoo
 from domainfm.engine import Recipe, TrainConfig
 from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, Retained, TaskData
-from domainfm.finetune.supervised import LoraSettings
+from domainfm.lora.settings import LoraSettings
 
 NAME = "robusttest-mlp"
 D = 6

@@ -9,7 +9,7 @@ import torch
 
 from domainfm.cli import main
 from domainfm.data_loaders import graph as G
-from domainfm.finetune import in_context as FT
+from domainfm.models.git import in_context as FT
 from domainfm.models.git import GIT
 
 

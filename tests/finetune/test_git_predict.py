@@ -226,7 +226,7 @@ def test_report_carries_retained_before_and_per_arm_retained(runs):
 
 
 def test_per_sample_loss_of_git_batches_averages_to_the_step_loss():
-    from domainfm.finetune.supervised import SupervisedRecipe
+    from domainfm.experiment.supervised import SupervisedRecipe
     from domainfm.models.git.tasks import TaskCollate, TaskItems, link_forward, task_forward
 
     enc = G.HashingTextEncoder(16)

@@ -12,9 +12,9 @@ import torch
 
 from domainfm import cli, config as cfgmod, create_model, save_pretrained
 from domainfm.engine import Trainer
-from domainfm.finetune import metrics as M
+from domainfm.experiment import metrics as M
 from domainfm.finetune import wavetoken as W
-from domainfm.finetune.forecast_metrics import forecast_scores
+from domainfm.experiment.forecast_metrics import forecast_scores
 
 TINY = ["train.batch_size=8", "train.progress=false", "data.windows_per_epoch=16", "eval.num_samples=4"]
 SHIPPED = str(Path(W.__file__).parents[1] / "data_loaders" / "samples" / "timeseries" / "statsmodels_series.csv")

@@ -14,7 +14,7 @@ A family declares (see ``finetune/cbramod.py`` for the shortest example)::
 - :mod:`.task`: ``TaskData``, what a family's data function returns.
 - :mod:`.config`: ``ExperimentConfig`` (``model``, ``adapt``, ``arms``, ``stages``, ``train``);
   ``adapt.sample_weighting`` / ``adapt.interpolation`` add FLOW / WiSE-FT / DaWin arms
-  (:mod:`domainfm.finetune.robust`).
+  (:mod:`domainfm.experiment.robust`).
 - :mod:`.family`: ``Family.run`` / ``Family.evaluate``: arms x seeds, stages, best checkpoint,
   protocols, saved models.
 - :mod:`.report`: the nested report, seed aggregation, the per-arm table.

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from domainfm.engine import TrainConfig
-from domainfm.finetune.supervised import LoraSettings
+from domainfm.lora.settings import LoraSettings
 from domainfm.experiment.weights import FALLBACKS, ModelSpec
 
 __all__ = ["ModelSection", "AdaptSection", "StageSection", "ExperimentConfig", "ARM_INITS", "ADAPT_MODES",
@@ -48,7 +48,7 @@ class AdaptSection:
     """``mode``: full | lora | linear_probe | none (no training: protocols only);
     ``seeds``: repeats, each trained with ``train.seed + s`` (mean and std reported).
 
-    Fine-tuning that keeps what pretraining taught (:mod:`domainfm.finetune.robust`); each method
+    Fine-tuning that keeps what pretraining taught (:mod:`domainfm.experiment.robust`); each method
     adds arms beside the plain ones, for every arm that starts from pretrained weights and trains:
 
     - ``sample_weighting: flow``: the arm ``<arm>+flow``, trained with FLOW's loss

@@ -101,12 +101,10 @@ def run_stage(stage: StageSection, stage_dir: Path, *, seed: int | None = None, 
     """Run ``domainfm <kind> <family>`` in this process from its config file + overrides (never
     translated field by field). Returns the stage's report (with ``saved_model``)."""
     from domainfm import config as cfgmod
-    from domainfm.cli import family_entry
+    from domainfm.launch import config_file, family_entry
 
     module = family_entry(stage.kind, stage.family)
-    path = Path(stage.config)
-    if path.suffix not in {".yaml", ".yml"}:
-        path = cfgmod.config_path(stage.family, stage.config)
+    path = config_file(stage.family, stage.kind, stage.config)
     overrides = list(stage.overrides)
     if resume and (stage_dir / "report.json").is_file():
         # a resumed experiment reuses its finished stage instead of training it again
@@ -176,7 +174,7 @@ class Family:
     def build_recipe(self, cfg, model: nn.Module, task: TaskData) -> Recipe:
         if self.recipe is not None:
             return self.recipe(cfg, model, task)
-        from domainfm.finetune.supervised import SupervisedRecipe
+        from domainfm.experiment.supervised import SupervisedRecipe
 
         smoothing = getattr(cfg, "label_smoothing", 0.0) if task.task == "multiclass" else 0.0
         recipe = SupervisedRecipe(model, task.train, task.val, task=task.task, label_smoothing=smoothing,
@@ -191,7 +189,7 @@ class Family:
         if self.selection is not None:
             metric, direction = self.selection(cfg, task)
         else:
-            from domainfm.finetune.supervised import selection_rule
+            from domainfm.experiment.supervised import selection_rule
 
             metric, direction = selection_rule(task.task)
         return f"val/{metric}", direction
@@ -246,7 +244,7 @@ class Family:
         the copy's state (backbone unchanged, head = the probe)."""
         import copy
 
-        from domainfm.finetune.supervised import prepare_mode
+        from domainfm.experiment.supervised import prepare_mode
 
         probe = copy.deepcopy(model)
         prepare_mode(probe, "linear_probe", head=self._head_names(cfg, task))
@@ -288,7 +286,7 @@ class Family:
                 ref.eval()
                 recipe = self.build_recipe(cfg, ref, task)
                 trainer = Trainer(dataclasses.replace(cfg.train, progress=False, seed=seed), run_dir=None)
-                from domainfm.finetune import robust
+                from domainfm.experiment import robust
 
                 losses = robust.per_sample_losses(trainer, recipe, task.train, ref.to(trainer.fabric.device), self.name)
                 weights = robust.flow_weights(losses, cfg.adapt.flow_temperature)
@@ -309,7 +307,7 @@ class Family:
         pretrained side: ``<name>+wise@<alpha>`` and ``<name>+dawin``. Each is scored on val/test
         with the arm's recipe and measured with the retained capability; the model is left at its
         fine-tuned weights."""
-        from domainfm.finetune import robust
+        from domainfm.experiment import robust
         from domainfm.lora.inject import base_parameters, wrappers
 
         methods = cfg.adapt.interpolations
@@ -409,7 +407,7 @@ class Family:
         from lightning_fabric.utilities.seed import seed_everything
 
         from domainfm import lora, save_pretrained
-        from domainfm.finetune.supervised import prepare_mode
+        from domainfm.experiment.supervised import prepare_mode
 
         name = name or arm
         cache = {} if cache is None else cache
@@ -467,7 +465,7 @@ class Family:
         train_cfg = dataclasses.replace(cfg.train, seed=seed, monitor=monitor, monitor_mode=direction)
         if mode != "none" and task.train is not None:
             if flow:
-                from domainfm.finetune.robust import FlowRecipe
+                from domainfm.experiment.robust import FlowRecipe
 
                 fit = Trainer(train_cfg, run_dir=arm_dir).fit(FlowRecipe(recipe, setup["weights"], self.name))
                 model = fit.model
@@ -628,7 +626,7 @@ class Family:
     def _tradeoff_picture(self, report: dict[str, Any], run_dir: Path) -> str | None:
         """``RUN/tradeoff.png``: the monitored target metric (test split when there is one) against
         the retained capability, for every arm and along each WiSE curve."""
-        from domainfm.finetune.robust import plot_tradeoff
+        from domainfm.experiment.robust import plot_tradeoff
 
         metric = report["monitor"].split("/", 1)[-1]
         retained_metric = self.retained.metric

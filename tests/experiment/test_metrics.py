@@ -1,6 +1,6 @@
-"""domainfm.finetune.metrics (thin wrappers over scikit-learn / scipy) against values computed
+"""domainfm.experiment.metrics (thin wrappers over scikit-learn / scipy) against values computed
 by hand and against direct scikit-learn calls, its edge-case contract (single class, constant
-targets, bf16 probabilities, K = 2 top-k), and domainfm.finetune.forecast_metrics against
+targets, bf16 probabilities, K = 2 top-k), and domainfm.experiment.forecast_metrics against
 values computed by hand (GluonTS definitions)."""
 
 import warnings
@@ -11,7 +11,7 @@ import scipy.stats
 import torch
 from sklearn import metrics as skm
 
-from domainfm.finetune import metrics
+from domainfm.experiment import metrics
 
 SEEDS = [0, 1, 2, 3]
 
@@ -209,7 +209,7 @@ def test_multiclass_roc_auc_accepts_bf16_probability_drift():
 
 
 def test_forecast_metrics_are_one_module_re_exported():
-    from domainfm.finetune import forecast_metrics
+    from domainfm.experiment import forecast_metrics
 
     for name in forecast_metrics.__all__:
         assert getattr(metrics, name) is getattr(forecast_metrics, name)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from domainfm.finetune.metric_inputs import ArrayLike, check_finite, to_numpy
+from domainfm.experiment.metric_inputs import ArrayLike, check_finite, to_numpy
 
 __all__ = [
     "mase",

@@ -1,6 +1,6 @@
 """Array inputs of the metric modules: one conversion point and one finiteness check.
 
-Shared by :mod:`domainfm.finetune.metrics` and :mod:`domainfm.finetune.forecast_metrics`, so
+Shared by :mod:`domainfm.experiment.metrics` and :mod:`domainfm.experiment.forecast_metrics`, so
 that both accept numpy arrays, Python sequences and torch tensors in the same way and name
 the offending argument in their errors.
 """

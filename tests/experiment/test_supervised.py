@@ -7,8 +7,8 @@ from torch.utils.data import TensorDataset
 
 from domainfm import lora
 from domainfm.engine import TrainConfig, Trainer
-from domainfm.finetune import metrics as M
-from domainfm.finetune.supervised import LoraSettings, SupervisedRecipe, prepare_mode
+from domainfm.experiment import metrics as M
+from domainfm.experiment.supervised import LoraSettings, SupervisedRecipe, prepare_mode
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from _engine_toys import TinyNet, make_dataset  # noqa: E402

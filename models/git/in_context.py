@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from domainfm.data_loaders import graph as G
 from domainfm.engine import Recipe
-from domainfm.finetune import metrics as M
+from domainfm.experiment import metrics as M
 from domainfm.models.git.tasks import TaskCollate, TaskItems, embed_tasks, is_link, task_forward
 
 __all__ = ["prototype_logits", "class_prototypes", "in_context", "zero_shot", "SFTRecipe"]

@@ -1,4 +1,4 @@
-"""domainfm.finetune.robust against hand computations: FLOW weights and loss, WiSE interpolation
+"""domainfm.experiment.robust against hand computations: FLOW weights and loss, WiSE interpolation
 (endpoints exact; LoRA scaling = interpolating merged weights), DaWin's lambda, the Beta mixture,
 and SupervisedRecipe.per_sample_loss / logits."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from domainfm import lora
-from domainfm.finetune import robust as R
+from domainfm.experiment import robust as R
 from domainfm.lora.inject import wrappers
-from domainfm.finetune.supervised import LoraSettings, SupervisedRecipe, prepare_mode
+from domainfm.experiment.supervised import LoraSettings, SupervisedRecipe, prepare_mode
 
 
 def test_flow_weights_median_temperature_by_hand():

@@ -16,25 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from domainfm.engine import Recipe
-from domainfm.finetune import metrics as M
+from domainfm.lora.settings import LoraSettings
+from domainfm.experiment import metrics as M
 
 __all__ = ["LoraSettings", "SupervisedRecipe", "prepare_mode", "selection_rule", "MODES"]
 
 MODES = ("full", "lora", "linear_probe")
-
-
-@dataclass
-class LoraSettings:
-    """The ``lora:`` section of a fine-tune config (see :func:`domainfm.lora.apply`)."""
-
-    targets: list[str] = field(default_factory=list)
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    variant: str = "lora"
-    use_rslora: bool = False
-    unfreeze: list[str] = field(default_factory=list)
-    preset: str | None = None
 
 
 def selection_rule(task: str) -> tuple[str, str]:

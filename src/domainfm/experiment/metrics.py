@@ -11,7 +11,7 @@ Classification
 Regression
     :func:`mae`, :func:`rmse`, :func:`r2`, :func:`pearson_r`.
 Forecasting
-    GluonTS-exact, in :mod:`domainfm.finetune.forecast_metrics` (re-exported here):
+    GluonTS-exact, in :mod:`domainfm.experiment.forecast_metrics` (re-exported here):
     :func:`mase`, :func:`quantile_loss`, :func:`wql`, :func:`seasonality`,
     :func:`seasonal_naive_forecast`, :func:`geometric_mean`.
 Recipes
@@ -34,7 +34,7 @@ import numpy as np
 import scipy.stats
 from sklearn import metrics as skm
 
-from domainfm.finetune.forecast_metrics import (
+from domainfm.experiment.forecast_metrics import (
     forecast_scores,
     geometric_mean,
     mase,
@@ -43,7 +43,7 @@ from domainfm.finetune.forecast_metrics import (
     seasonality,
     wql,
 )
-from domainfm.finetune.metric_inputs import ArrayLike, check_finite, to_numpy
+from domainfm.experiment.metric_inputs import ArrayLike, check_finite, to_numpy
 
 __all__ = [
     "accuracy",
