@@ -63,15 +63,15 @@ FIGURE = (".png", ".pdf", ".svg")
 
 def option(default: Any = None, help: str = "", *, type: Callable[[str], Any] | None = None,
            choices: Sequence[Any] | None = None, flag: str | None = None, output: Sequence[str] | None = None,
-           default_from: str | None = None) -> Any:
+           default_from: str | None = None, commands: Sequence[str] | None = None) -> Any:
     """A family option: a dataclass field whose metadata makes its command-line flag.
 
     ``type`` parses the text (default from the annotation: ``int`` -> an integer >= 1, ``float``
     -> a finite number > 0, ``list[str]`` -> comma-separated names, ``bool`` -> a switch);
     ``output``: the option names a second output file, of these extensions (written together
     with ``--output``); ``default_from``: for an output, its default is ``--output`` with this
-    extension."""
-    meta = {"help": help, "type": type, "choices": choices, "flag": flag,
+    extension; ``commands``: the commands that offer it (default both)."""
+    meta = {"help": help, "type": type, "choices": choices, "flag": flag, "commands": tuple(commands or ()),
             "output": tuple(output) if output else None, "default_from": default_from}
     if isinstance(default, (list, dict)):
         return field(default_factory=default.copy, metadata=meta)
@@ -393,7 +393,7 @@ def _output_paths(applier: Applier, cmd: Command, args: argparse.Namespace) -> d
     paths = {"--output": (Path(args.output), tuple(cmd.writes))}
     if applier.options is not None:
         for f in dataclasses.fields(applier.options):
-            if not f.metadata.get("output"):
+            if not f.metadata.get("output") or not hasattr(args, f.name):
                 continue
             flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
             value = getattr(args, f.name, None)
