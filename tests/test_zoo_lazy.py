@@ -105,10 +105,10 @@ def test_table_names_the_family_of_every_registered_model():
     assert len(names) >= 40 and {zoo.get_card(n).family for n in names} >= {
         "cbramod", "wavetoken", "explora", "fim", "git", "stofm", "wearables"}
     missing = [n for n in names if zoo.family_module_of(n) is None]
-    assert not missing, f"add these names to domainfm.zoo.FAMILY_OF_NAME: {missing}"
+    assert not missing, f"add patterns for these names to their family's manifest.json: {missing}"
     wrong = [(n, zoo.family_module_of(n), zoo.get_card(n).builder.__module__) for n in names
              if zoo.get_card(n).builder.__module__.split(".")[:3] != zoo.family_module_of(n).split(".")]
-    assert not wrong, f"FAMILY_OF_NAME sends these names to the wrong family: {wrong}"
+    assert not wrong, f"the manifests send these names to the wrong family: {wrong}"
 
 
 def test_every_registered_name_resolves_lazily_to_the_eager_factory():
@@ -147,3 +147,56 @@ def test_model_info_counts_every_model_like_a_plain_meta_build():
             skipped = zoo.build_model(name)
         assert {k: v.shape for k, v in skipped.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}, name
         assert domainfm.model_info(name)["num_params"] == sum(p.numel() for p in plain.parameters()), name
+
+
+def test_every_manifest_is_its_familys_live_registry():
+    """The manifests answer `domainfm list/info` without importing families: each must equal what
+    its family registers (cards and parameter counts). Stale: run `python -m domainfm.zoo`."""
+    live: dict[str, dict] = {}
+    for name in _family_names():
+        live.setdefault(zoo.get_card(name).family, {})[name] = json.loads(json.dumps(zoo._live_info(name)))
+    manifests = zoo.manifests()
+    assert sorted(manifests) == sorted(live)
+    for family, manifest in manifests.items():
+        assert manifest["models"] == live[family], f"{family}: manifest.json is stale; run python -m domainfm.zoo"
+        assert manifest["domain"] and all(zoo.family_module_of(n) == f"domainfm.models.{family}" for n in live[family])
+
+
+def test_list_info_and_help_import_no_family_and_answer_like_the_live_registry():
+    heavy = ("timm", "torch_geometric", "scanpy", "anndata", "mne", "numba", "lightning", "lightning_fabric",
+             "transformers")
+    out = _run("""
+        import contextlib, io
+        from domainfm import cli
+        answers = {}
+        for argv in (["--help"], ["list"], ["list", "--pretrained"], ["info", "cbramod-base"],
+                     ["info", "fim-imputation-small.synthetic-prior"]):
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                try:
+                    cli.main(argv)
+                except SystemExit:
+                    pass
+            answers[" ".join(argv)] = buf.getvalue()
+        print(json.dumps(dict(families=families(), heavy=[m for m in %r if m in sys.modules], answers=answers)))
+    """ % (heavy,))
+    assert out["families"] == [] and out["heavy"] == []
+    # the same answers as with every family imported
+    import contextlib
+    import io
+
+    from domainfm import cli
+
+    zoo._ensure_families_imported()
+    for argv, text in out["answers"].items():
+        if argv == "--help":
+            assert "predict" in text and "list" in text
+            continue
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            cli.main(argv.split())
+        if argv.startswith("info"):
+            assert json.loads(text) == json.loads(buf.getvalue()), argv
+        else:
+            assert text == buf.getvalue(), argv
+    assert len(out["answers"]["list"].splitlines()) == len(zoo.list_models())

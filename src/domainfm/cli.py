@@ -47,19 +47,21 @@ def print_table(rows: dict[str, Any], title: str | None = None, file=None) -> No
 def _cmd_list(args) -> int:
     from domainfm import list_models, zoo
 
+    # answered from the families' manifests: no family (timm, torch_geometric, ...) is imported
     names = list_models(args.pattern, pretrained=args.pretrained, family=args.family)
+    models = set(list_models()) if args.pretrained else set()
     for name in names:
-        card = zoo.get_card(name)
+        card = zoo.card_view(name)
         if args.pretrained:
             # one line per weight source: where it lives, how it is verified, its licence
-            tag = zoo.split_tag(name)[1]
-            for source in (w for w in card.weights if tag is None or w.tag == tag):
+            tag = None if name in models else name.rsplit(".", 1)[1]  # "<model>.<tag>"
+            for source in (zoo.WeightSource(**w) for w in card["weights"] if tag is None or w.get("tag") == tag):
                 rev = f"@{source.revision}" if source.revision and "@" not in source.url else ""
-                print(f"{name:<40} {card.family:<10} {source.url}{rev}  licence={source.license}  "
+                print(f"{name:<40} {card['family']:<10} {source.url}{rev}  licence={source.license}  "
                       f"verified={source.pinned}")
         else:
-            flag = "pretrained" if card.has_pretrained else "-"
-            print(f"{name:<40} {card.family:<12} {flag}")
+            flag = "pretrained" if card["weights"] else "-"
+            print(f"{name:<40} {card['family']:<12} {flag}")
     if not names:
         print("no models match", file=sys.stderr)
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -36,7 +37,8 @@ __all__ = [
     "list_families",
     "get_card",
     "UnknownModelError",
-    "FAMILY_OF_NAME",
+    "manifests",
+    "write_manifests",
     "family_module_of",
     "model_info",
     "build_model",
@@ -133,7 +135,7 @@ class ModelCard:
     @property
     def domain(self) -> str | None:
         """The scientific domain (``input_spec["domain"]``, else the family's usual one)."""
-        return self.input_spec.get("domain") or FAMILY_DOMAINS.get(self.family)
+        return self.input_spec.get("domain") or manifests().get(self.family, {}).get("domain")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able view of the card (what ``domainfm info`` prints)."""
@@ -153,34 +155,68 @@ class ModelCard:
 
 _REGISTRY: dict[str, ModelCard] = {}
 
-#: the domain of each family's data (model-card tags); a card may override it with input_spec["domain"]
-FAMILY_DOMAINS = {
-    "cbramod": "eeg",
-    "wavetoken": "time-series-forecasting",
-    "fim": "time-series",
-    "git": "graphs",
-    "explora": "remote-sensing",
-    "stofm": "spatial-transcriptomics",
-    "wearables": "wearables",
-}
+MANIFEST = "manifest.json"
 
 
-#: which family subpackage (``domainfm.models.<family>``) registers the names matching each
-#: fnmatch pattern: looking a name up imports only its family (importing every family costs
-#: seconds: explora imports timm, git torch_geometric and transformers). A name no pattern matches
-#: still resolves, by importing every family; ``tests/test_zoo_lazy.py`` fails for any registered
-#: name this table does not send to the family that registers it.
-FAMILY_OF_NAME: tuple[tuple[str, str], ...] = (
-    ("cbramod-*", "cbramod"),
-    ("chronos-t5-*", "wavetoken"),
-    ("chronos-bolt-*", "wavetoken"),
-    ("wavetoken-*", "wavetoken"),
-    ("explora-*", "explora"),
-    ("fim-*", "fim"),
-    ("git-*", "git"),
-    ("stofm-*", "stofm"),
-    ("wbm-*", "wearables"),
-)
+@functools.lru_cache(maxsize=1)
+def manifests() -> dict[str, dict[str, Any]]:
+    """Each family's manifest (``models/<family>/manifest.json``), read without importing the
+    family: its ``domain``, the fnmatch ``name_patterns`` of the names it registers, and its
+    ``models`` (every registered name's card as :meth:`ModelCard.to_dict` gives it, with
+    ``num_params``). ``domainfm list`` and ``domainfm info`` answer from these at once (importing a
+    family costs seconds: explora imports timm, git torch_geometric and transformers);
+    ``python -m domainfm.zoo`` rewrites them, and ``tests/test_zoo_lazy.py`` fails when one is stale."""
+    import json
+    from pathlib import Path
+
+    import domainfm.models
+
+    out = {}
+    for root in domainfm.models.__path__:
+        for path in sorted(Path(root).glob(f"*/{MANIFEST}")):
+            data = json.loads(path.read_text())
+            out[data["family"]] = data
+    return out
+
+
+def family_module_of(name: str) -> str | None:
+    """The module that registers ``name`` according to the families' manifests (None: none matches)."""
+    for family, manifest in manifests().items():
+        if name in manifest.get("models", {}) or any(fnmatch.fnmatchcase(name, p) for p in manifest["name_patterns"]):
+            return f"domainfm.models.{family}"
+    return None
+
+
+def _manifest_card(name: str) -> dict[str, Any] | None:
+    for manifest in manifests().values():
+        if name in manifest.get("models", {}):
+            return manifest["models"][name]
+    return None
+
+
+def write_manifests(families: Sequence[str] | None = None) -> list[str]:
+    """Rewrite the ``models`` of each family's manifest from its live registry (the family is
+    imported); ``domain`` and ``name_patterns`` are kept as written. Returns the paths written."""
+    import json
+    from pathlib import Path
+
+    import domainfm.models
+    from domainfm.atomic import atomic_write_text
+
+    _ensure_families_imported()
+    written = []
+    for root in domainfm.models.__path__:
+        for path in sorted(Path(root).glob(f"*/{MANIFEST}")):
+            data = json.loads(path.read_text())
+            if families is not None and data["family"] not in families:
+                continue
+            names = sorted(n for n, c in _REGISTRY.items() if c.family == data["family"]
+                           and str(getattr(c.builder, "__module__", "")).startswith("domainfm.models."))
+            data["models"] = {n: _live_info(n) for n in names}
+            atomic_write_text(path, json.dumps(data, indent=1, sort_keys=False) + "\n")
+            written.append(str(path))
+    manifests.cache_clear()
+    return written
 
 
 def _ensure_families_imported() -> None:
@@ -190,17 +226,9 @@ def _ensure_families_imported() -> None:
     import_families()
 
 
-def family_module_of(name: str) -> str | None:
-    """The module that registers ``name`` according to :data:`FAMILY_OF_NAME` (None: no entry)."""
-    for pattern, family in FAMILY_OF_NAME:
-        if fnmatch.fnmatchcase(name, pattern):
-            return f"domainfm.models.{family}"
-    return None
-
-
 def _ensure_name_imported(name: str) -> None:
     """Make ``name`` registered if any family registers it, importing as little as possible:
-    nothing when it already is, else its family from :data:`FAMILY_OF_NAME`, else every family."""
+    nothing when it already is, else its family (by the manifests), else every family."""
     if name in _REGISTRY:
         return
     # "<model>.<tag>": the model's family registers it
@@ -287,7 +315,7 @@ class UnknownModelError(KeyError):
 
 def get_card(name: str) -> ModelCard:
     """The card of ``name`` (or of ``<model>.<tag>``'s model); imports only the family that registers
-    it (see :data:`FAMILY_OF_NAME`)."""
+    it (see :func:`manifests`)."""
     _ensure_name_imported(name)
     if isinstance(name, str) and name not in _REGISTRY and "." in name:
         name = split_tag(name)[0]
@@ -301,22 +329,43 @@ def get_card(name: str) -> ModelCard:
         ) from None
 
 
+def _card_views() -> dict[str, dict[str, Any]]:
+    """Every known name -> its card as a dict: the manifests', overridden by the live registry
+    (models registered at run time, and families already imported)."""
+    views = {n: c for m in manifests().values() for n, c in m.get("models", {}).items()}
+    views.update({n: c.to_dict() for n, c in _REGISTRY.items()})
+    return views
+
+
+def card_view(name: str) -> dict[str, Any]:
+    """The card of ``name`` (or ``<model>.<tag>``'s model) as a dict, from the manifests when its
+    family is not imported (nothing is imported then)."""
+    if name not in _REGISTRY:
+        base = name.rsplit(".", 1)[0] if "." in name and name not in _card_views() else name
+        view = _manifest_card(base)
+        if view is not None:
+            if base != name and not any(w.get("tag") == name.rsplit(".", 1)[1] for w in view["weights"]):
+                split_tag(name)  # raises the unknown-tag error, naming the tags
+            return view
+    return get_card(name).to_dict()
+
+
 def list_models(pattern: str | Sequence[str] = "*", pretrained: bool = False, family: str | None = None) -> list[str]:
-    """Registered model names matching ``pattern`` (fnmatch, or a list of patterns), sorted.
+    """Registered model names matching ``pattern`` (fnmatch, or a list of patterns), sorted;
+    answered from the families' manifests, importing no family.
 
     ``pretrained=True`` keeps only variants with at least one weight source and lists them as
     timm does: ``<model>.<tag>`` for each tagged source (``create_model`` takes that name), the
     bare ``<model>`` for an untagged one.
     """
-    _ensure_families_imported()
     patterns = [pattern] if isinstance(pattern, str) else list(pattern)
     names = []
-    for name, card in _REGISTRY.items():
-        if family is not None and card.family != family:
+    for name, card in _card_views().items():
+        if family is not None and card["family"] != family:
             continue
         candidates = [name]
         if pretrained:
-            candidates = [f"{name}.{w.tag}" if w.tag else name for w in card.weights]
+            candidates = [f"{name}.{w['tag']}" if w.get("tag") else name for w in card["weights"]]
         for candidate in dict.fromkeys(candidates):
             if any(fnmatch.fnmatchcase(candidate, p) or fnmatch.fnmatchcase(name, p) for p in patterns):
                 names.append(candidate)
@@ -352,8 +401,7 @@ def weight_source(name: str) -> WeightSource | None:
 
 
 def list_families() -> list[str]:
-    _ensure_families_imported()
-    return sorted({card.family for card in _REGISTRY.values()})
+    return sorted(set(manifests()) | {card.family for card in _REGISTRY.values()})
 
 
 def build_model(name: str, **kwargs) -> nn.Module:
@@ -396,8 +444,7 @@ class _SkipInitOnMeta(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def model_info(name: str, count_params: bool = True) -> dict[str, Any]:
-    """The model card of ``name`` as a dict; ``num_params`` counted on the meta device (no memory)."""
+def _live_info(name: str, count_params: bool = True) -> dict[str, Any]:
     card = get_card(name)
     info = card.to_dict()
     if count_params:
@@ -405,3 +452,23 @@ def model_info(name: str, count_params: bool = True) -> dict[str, Any]:
             model = build_model(name)
         info["num_params"] = count_parameters(model)
     return info
+
+
+def model_info(name: str, count_params: bool = True) -> dict[str, Any]:
+    """The model card of ``name`` as a dict with ``num_params``: from its family's manifest when
+    the family is not imported (nothing imported), else counted on the meta device (no memory)."""
+    if name not in _REGISTRY:
+        base = name.rsplit(".", 1)[0] if "." in name and _manifest_card(name) is None else name
+        if base not in _REGISTRY and _manifest_card(base) is not None:
+            info = dict(card_view(name))
+            if not count_params:
+                info.pop("num_params", None)
+            return info
+    return _live_info(name, count_params)
+
+
+if __name__ == "__main__":  # python -m domainfm.zoo: rewrite the families' manifests
+    from domainfm import zoo as _registered  # the module the families register into (not __main__)
+
+    for written in _registered.write_manifests():
+        print(written)
