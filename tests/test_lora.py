@@ -510,7 +510,6 @@ def test_register_preset_refuses_a_taken_name():
     assert name not in lora.PRESETS
 
 def _tiny_vit():
-    timm = pytest.importorskip("timm")
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
@@ -538,7 +537,7 @@ def test_explora_on_tiny_timm_vit_merge_and_round_trip(tmp_path):
 
 
 def test_explora_preset_counts_vit_base_dinov2():
-    timm = pytest.importorskip("timm")
+    import timm
     model = timm.create_model("vit_base_patch14_dinov2", pretrained=False, img_size=224, num_classes=0)
     lora.apply(model, preset="explora")
     assert lora.count_trainable(model) == 9_288_192
@@ -548,7 +547,7 @@ def test_explora_preset_counts_vit_base_dinov2():
 
 
 def test_explora_preset_counts_vit_large_dinov2():
-    timm = pytest.importorskip("timm")
+    import timm
     # the count depends on shapes only; the meta device skips 300M random inits (~20 s on 2 cores)
     with torch.device("meta"):
         model = timm.create_model("vit_large_patch14_dinov2", pretrained=False, img_size=224, num_classes=0)

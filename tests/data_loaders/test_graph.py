@@ -120,7 +120,6 @@ def _tree_cases():
 
 def test_numba_backend_loads_the_git_kernels(monkeypatch):
     # the equality test below would pass trivially if the kernels failed to import (silent torch fallback)
-    pytest.importorskip("numba")
     from domainfm.models.git import _task_tree_numba, task_trees
 
     monkeypatch.setenv("DOMAINFM_GRAPH_BACKEND", "numba")
@@ -130,7 +129,6 @@ def test_numba_backend_loads_the_git_kernels(monkeypatch):
     assert G.build_task_trees is task_trees.build_task_trees  # re-exported for existing callers
 
 def test_numba_and_torch_paths_build_identical_trees(monkeypatch):
-    pytest.importorskip("numba")
     checked = 0
     for x, ei, ea, ptr, task, index, virtual_root, shared, fanouts in _tree_cases():
         built = {}
@@ -169,8 +167,7 @@ def test_trees_built_in_threads_equal_sequential_builds(backend, monkeypatch):
     import threading
 
     if backend == "numba":
-        pytest.importorskip("numba")
-    monkeypatch.setenv("DOMAINFM_GRAPH_BACKEND", backend)
+        monkeypatch.setenv("DOMAINFM_GRAPH_BACKEND", backend)
     torch.manual_seed(2)
     n = 500
     ei = torch.randint(0, n, (2, 5000))

@@ -190,7 +190,6 @@ def test_subslices_cover_cells_once_share_hypernodes_and_have_official_distances
 
 
 def test_leiden_hypernodes_through_scanpy():
-    pytest.importorskip("igraph")
     rng = np.random.default_rng(1)
     xy = np.concatenate([rng.normal(0, 5, (150, 2)), rng.normal(200, 5, (150, 2))])
     emb = np.concatenate([rng.normal(0, 1, (150, 8)) + 5, rng.normal(0, 1, (150, 8)) - 5]).astype(np.float32)

@@ -14,7 +14,7 @@ from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, RunFolder, TaskData
 from domainfm.experiment import pictures
 
-mpimg = pytest.importorskip("matplotlib.image")
+import matplotlib.image as mpimg  # noqa: E402
 
 
 def _data(task: str, n: int, seed: int):

@@ -74,7 +74,6 @@ def _wavetoken(tmp_path):
 
 
 def _stofm(tmp_path):
-    pytest.importorskip("igraph")
     from domainfm.data_loaders import spatial as S
 
     path = tmp_path / "slice.h5ad"
@@ -129,7 +128,7 @@ def test_flow_and_wise_through_the_cli(family, tmp_path):
     assert "skipped_arms" not in report["robust"]
     # forgetting, measured: before adaptation and after it for every arm
     before = report["retained_before"]
-    assert math.isfinite(before[metric]) and before == arms["pretrained"]["retained_before"]
+    assert math.isfinite(before[metric])  # checked exactly below: the alpha-0 arms measure it again
     for name in expected:
         assert "skipped" not in arms[name], (name, arms[name].get("skipped"))
         assert math.isfinite(arms[name]["retained"][metric]), name

@@ -258,9 +258,9 @@ def test_report_carries_retained_capability_before_and_after(runs):
     report = json.loads((runs["demo"] / "report.json").read_text())
     assert report["retained_capability"]["metric"] == "masked_mse" and report["retained_capability"]["direction"] == "min"
     assert set(report["arms"]) == {"pretrained", "random"}
-    for arm in report["arms"].values():
-        assert np.isfinite(arm["retained_before"]["masked_mse"]) and np.isfinite(arm["retained"]["masked_mse"])
-    assert report["retained_before"] == report["arms"]["pretrained"]["retained_before"]
+    # the random arm's backbone is another model: its retained error is its own, not the pretrained one's
+    random_before = report["arms"]["random"]["retained_before"]["masked_mse"]
+    assert np.isfinite(random_before) and random_before != pytest.approx(report["retained_before"]["masked_mse"], rel=1e-3)
     # held-out data: channels of the recording that the demo task never uses
     assert not set(ft.DEMO_HELD_OUT) & {c for region in ft.DEMO_REGIONS.values() for c in region}
     # independent reference: the pretrained model itself (backbone + its own reconstruction head)
