@@ -55,18 +55,21 @@ def test_pretraining_run_through_cli_with_shards(tmp_path):
     args = ["pretrain", "cbramod", "model.name=cbramod-test", f"data.root={root}", "data.files=['*.edf']",
             "data.eeg.channels=[Fp1, Fp2, C3, C4]", "data.eeg.window_s=4.0", "data.eeg.min_duration_s=null",
             "data.eeg.trim_s=2.0", "data.eeg.reject_uv=null", f"data.preprocess_to={tmp_path / 'shards'}",
-            "data.val_fraction=0.25", "train.max_steps=3", "train.batch_size=2", "train.progress=false",
+            "data.val_fraction=0.25", "train.max_steps=24", "train.batch_size=2", "train.lr=3e-3", "train.progress=false",
             "train.log_every_steps=1", "--runs-dir", str(tmp_path / "runs"), "--name", "p"]
     assert cli.main(args) == 0
     run = tmp_path / "runs" / "cbramod" / "p"
     report = json.loads((run / "report.json").read_text())
-    assert report["init"] == "random" and report["steps"] == 3
+    assert report["init"] == "random" and report["steps"] == 24
     assert report["windows"] == 9 and report["files_skipped"] == 1  # (40 - 2*2) s / 4 s
     assert report["val_windows"] == 2 and report["input"] == "4 ch x 4 patches"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train_losses = [r["loss"] for r in records if r.get("split") == "train"]
-    assert len(train_losses) == 3 and all(np.isfinite(train_losses))
-    assert any(r.get("split") == "val" for r in records)
+    val_losses = [r["loss"] for r in records if r.get("split") == "val"]
+    # the masked-reconstruction objective is learnt: from a random init's error (~10) it falls by
+    # an order of magnitude on training and held-out windows alike
+    assert len(train_losses) == 24 and np.mean(train_losses[-4:]) < 0.2 * train_losses[0]
+    assert len(val_losses) >= 2 and val_losses[-1] < 0.5 * val_losses[0]
     # shards were written and read back; the best checkpoint holds the reconstruction head
     index = json.loads((tmp_path / "shards" / "index.json").read_text())
     assert index["total"] == 9 and len(index["meta"]["skipped"]) == 1
@@ -75,6 +78,7 @@ def test_pretraining_run_through_cli_with_shards(tmp_path):
     # and `domainfm evaluate` re-computes the masked loss of that checkpoint
     assert cli.main(["evaluate", str(run)]) == 0
     evaluation = json.loads((run / "evaluation.json").read_text())
-    assert np.isfinite(evaluation["loss"])
+    # the selected model's error, measured again with fresh masks: the trained one's, not the init's
+    assert evaluation["loss"] < 0.5 * val_losses[0]
     ds = eeg.ShardDataset(tmp_path / "shards")
     assert ds[0].shape == (4, 800)
