@@ -17,7 +17,7 @@ from torch import nn
 
 import domainfm
 from domainfm import zoo
-from domainfm.hub import _is_head_key
+from domainfm.hub.loading import _is_head_key
 
 ALL = domainfm.list_models()
 SMALL = [n for n in ALL if "test" in zoo.get_card(n).tags]

@@ -360,7 +360,7 @@ def test_unreachable_hub_is_offline_at_once_and_the_cache_still_serves(fake_hub,
         dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
     monkeypatch.setattr(constants, "ENDPOINT", dead)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", dead + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(hub, "_REACHABLE", {})
+    monkeypatch.setattr(hub.fetching, "_REACHABLE", {})
     start = time.monotonic()
     assert hub.fetch("hf://org/net/w.bin", progress=False).read_bytes() == body  # verified against the lock
     with pytest.raises(OfflineError, match="could not reach the Hub.*hf download org/net missing.bin"):

@@ -121,7 +121,7 @@ def cell_bert_config_to_kwargs(config: dict[str, Any], source: str = "cell_bert/
 
 
 def _read_weights(folder: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    from domainfm.hub import _unwrap_state_dict, load_checkpoint
+    from domainfm.hub.checkpoints import _unwrap_state_dict, load_checkpoint
 
     for name in names:
         if (folder / name).is_file():

@@ -126,7 +126,7 @@ def load_chronos_bolt(source: str | os.PathLike, *, name: str | None = None,
         source = next((w for n in zoo.list_models("chronos-bolt-*") for w in zoo.get_card(n).weights
                        if w.url == f"hf://{repo}"), None)
         card = zoo.get_card(name) if name else None
-        directory = hub.fetch_hf_repo(f"hf://{repo}", card=card, sha256=sha256,
+        directory = hub.loading.fetch_hf_repo(f"hf://{repo}", card=card, sha256=sha256,
                                       revision=getattr(source, "revision", None))
     else:
         directory = Path(source)

@@ -382,7 +382,7 @@ def test_pretrained_true_loads_the_registered_repository(upstream_dirs, monkeypa
         asked.append((url, kwargs.get("revision")))
         return directory
 
-    monkeypatch.setattr(hub, "fetch_hf_repo", fake_fetch_hf_repo)
+    monkeypatch.setattr(hub.loading, "fetch_hf_repo", fake_fetch_hf_repo)
     model = domainfm.create_model("chronos-bolt-tiny", pretrained=True).eval()
     assert model.domainfm_load_report.converter == "official"
     again = load_chronos_bolt("hf://amazon/chronos-bolt-tiny").eval()
