@@ -8,7 +8,6 @@ pairs (``x`` may be a tuple or dict passed to ``forward_fn``).
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
