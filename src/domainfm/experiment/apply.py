@@ -83,12 +83,14 @@ class Command:
     """One of a family's commands: ``run(inputs, model, settings, options, runtime) -> Output``.
 
     ``writes``: the extensions ``--output`` may have (:data:`TABLE`, :data:`ARRAYS`, ...);
-    ``default_model``: the model used without ``--model``; ``needs_head``: refuse a headless
+    ``default_model``: the model used without ``--model``; ``default_pretrained``: its weights
+    when ``--pretrained`` is not given (a card that pins none); ``needs_head``: refuse a headless
     backbone (a pretrained model), pointing at ``embed``."""
 
     run: Callable[..., "Output"]
     writes: Sequence[str]
     default_model: str | None = None
+    default_pretrained: str | None = None
     needs_head: bool = False
     what: str = ""
 
@@ -202,6 +204,8 @@ def resolve(model: Any, *, arm: str | None = None, pretrained: Any = None, devic
     elif ref.model_dir is not None:
         module = create_model(ref.model_dir, **kwargs)
     else:
+        if isinstance(pretrained, str) and pretrained.strip().lower() in ("none", "false", "random"):
+            pretrained = False  # --pretrained none: random init
         module = create_model(str(model), pretrained=True if pretrained is None else pretrained, **kwargs)
     return module.to(device).eval(), ref
 
@@ -266,11 +270,13 @@ def run(command: str, applier: Applier, model: Any, inputs: Any, *, settings: An
         if cmd.default_model is None:
             raise InputError(f"{command} {applier.family}: name a model (--model NAME|FOLDER|RUN)")
         model = cmd.default_model
+    if pretrained is None and cmd.default_pretrained is not None and model == cmd.default_model:
+        pretrained = cmd.default_pretrained
     module, ref = resolve(model, arm=arm, pretrained=pretrained, device=device)
     if cmd.needs_head and not applier.has_head(module):
-        raise InputError(f"--model {label or ref.label}: a {applier.family} backbone without a head; predict needs a "
-                         f"fine-tuned model with a head (a `domainfm finetune {applier.family}` run folder or its "
-                         f"<arm>/model); for features use `domainfm embed {applier.family}`")
+        raise InputError(f"--model {label or ref.label}: the model has no head (a {applier.family} backbone); predict "
+                         f"needs a fine-tuned model with a head (a `domainfm finetune {applier.family}` run folder or "
+                         f"its <arm>/model); for features use `domainfm embed {applier.family}`")
     if settings is None and applier.settings is not None:
         settings = applier.settings(ref, module)
     if isinstance(inputs, (str, Path)) and not Path(inputs).exists():
@@ -301,7 +307,8 @@ def family_of_model(model: Any) -> str:
         ref = ModelRef.of(model)
         if ref.model_dir is not None and (ref.model_dir / "config.json").is_file():
             config = json.loads((ref.model_dir / "config.json").read_text())
-            name = (config.get("domainfm") or {}).get("name") or config.get("name")
+            own = config.get("domainfm") or {}
+            name = own.get("model_name") or own.get("name") or config.get("name")
         elif ref.run is not None and (ref.run / "run.json").is_file():
             return json.loads((ref.run / "run.json").read_text())["family"]
         else:
@@ -363,8 +370,10 @@ def build_parser(command: str, applier: Applier) -> argparse.ArgumentParser:
                         help="a registered model name, a save_pretrained folder, or a run folder"
                              + (f" (default {cmd.default_model})" if cmd.default_model else ""))
     parser.add_argument("--arm", default=None, help="with a run folder: the arm whose model to use (default the first)")
+    weights = f"{cmd.default_pretrained} for {cmd.default_model}, else " if cmd.default_pretrained else ""
     parser.add_argument("--pretrained", default=None,
-                        help="with a model name: the weights (a path, URL or hf:// source; default the card's own)")
+                        help="with a model name: the weights (a path, URL or hf:// source; 'none' for random "
+                             f"init; default {weights}the card's own)")
     parser.add_argument("--input", required=True, help=f"the input: {applier.input}")
     parser.add_argument("--output", required=True,
                         help=f"the output file ({', '.join(cmd.writes)}; written atomically)")
