@@ -16,11 +16,17 @@ naive ones name no instant). Errors name the file, the column and the row: an em
 without data rows, unsorted or duplicate times, non-finite times, a channel with fewer than two
 observations, and (:func:`check_windows`) a FIM-ℓ window with fewer than two.
 
+For scoring and fine-tuning an imputer: :func:`gap_mask` (artificial contiguous gaps),
+:func:`interpolate_baseline` (linear or spline gap filling, the baseline to beat),
+:func:`masked_metrics` (MAE, RMSE, MRE on the hidden entries, R^2) and :class:`HoldoutWindows`
+(windows of a series with random observed points hidden).
+
 **Shapes:** :meth:`GappedSeries.tensors` -> ``times (T,)``, ``values (T, D)`` (NaN at gaps),
 ``observed (T, D)`` bool.
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -30,9 +36,11 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 import torch
+from torch.utils.data import Dataset
 
-__all__ = ["GappedSeries", "GappedSeriesError", "read_series", "from_dataframe", "check_windows", "load_co2",
-           "to_dataframe"]
+__all__ = ["GappedSeries", "GappedSeriesError", "read_series", "from_dataframe", "fim_windows", "check_windows",
+           "load_co2", "to_dataframe", "gap_mask", "interpolate_baseline", "masked_metrics",
+           "HoldoutWindows"]
 
 
 class GappedSeriesError(ValueError):
@@ -295,6 +303,14 @@ def read_series(path: str | os.PathLike | pd.DataFrame, **kwargs) -> list[Gapped
     return from_dataframe(df, source=str(path), **kwargs)
 
 
+def fim_windows(n: int, window_points: int, overlap: float = 0.25) -> int | None:
+    """How many FIM-ℓ windows of about ``window_points`` points cover ``n`` points, sharing
+    ``overlap`` of a window with the previous one (None: the series fits one window)."""
+    if n <= window_points:
+        return None
+    return min(n, max(2, math.ceil((n / window_points - 1) / (1 - overlap) + 1)))
+
+
 def check_windows(series: GappedSeries, windows: int, overlap: float = 0.25) -> None:
     """Raise if a FIM-ℓ window of ``series`` has fewer than two observed points in some channel
     (each window is scaled by the range of its observed times and values: one point leaves it zero)."""
@@ -328,3 +344,80 @@ def load_co2() -> GappedSeries:
     59 missing. Shipped in ``samples/fim/co2_weekly.csv``."""
     path = Path(__file__).parent / "samples" / "fim" / "co2_weekly.csv"
     return read_series(path, time="date")[0]
+
+
+def gap_mask(n: int, d: int, fraction: float, rng: np.random.Generator, n_gaps: int = 3) -> np.ndarray:
+    """``(n, d)`` bool, True where hidden: ``n_gaps`` contiguous gaps per channel covering
+    ``fraction`` of the grid, never the first or last point."""
+    hidden = np.zeros((n, d), dtype=bool)
+    length = max(1, int(round(fraction * n / n_gaps)))
+    for j in range(d):
+        slots = np.sort(rng.choice(np.arange(1, n_gaps * 2, 2), size=n_gaps, replace=False))
+        for s in slots:
+            start = int(s * n / (n_gaps * 2)) - length // 2
+            hidden[max(1, start): min(n - 1, start + length), j] = True
+    return hidden
+
+
+def interpolate_baseline(times: np.ndarray, values: np.ndarray, observed: np.ndarray, kind: str) -> np.ndarray:
+    """Per channel, linear or cubic-spline (scipy, natural) interpolation of the observed points."""
+    from scipy.interpolate import CubicSpline
+
+    out = np.empty_like(values)
+    for j in range(values.shape[1]):
+        t, v = times[observed[:, j]], values[observed[:, j], j]
+        if kind == "linear" or len(t) < 4:
+            out[:, j] = np.interp(times, t, v)
+        else:
+            out[:, j] = CubicSpline(t, v, bc_type="natural")(times)
+    return out
+
+
+def masked_metrics(pred: np.ndarray, target: np.ndarray, mask: np.ndarray,
+                   known: np.ndarray | None = None) -> dict[str, float]:
+    """MAE, RMSE, MRE (PyPOTS: ``sum|p-t|m / sum|t m|``) on masked entries; R^2 on the entries whose
+    truth is ``known`` (default all; a real gap has none)."""
+    m = mask.astype(bool)
+    err = np.abs(pred - target)
+    out = {"mae": float(err[m].mean()) if m.any() else math.nan,
+           "rmse": float(np.sqrt((err[m] ** 2).mean())) if m.any() else math.nan,
+           "mre": float(err[m].sum() / max(np.abs(target[m]).sum(), 1e-12)) if m.any() else math.nan}
+    k = np.ones_like(m) if known is None else known.astype(bool)
+    mean = np.array([target[k[:, j], j].mean() for j in range(target.shape[1])])
+    ss_res = ((pred - target) ** 2)[k].sum()
+    ss_tot = ((target - mean) ** 2)[k].sum()
+    out["r2"] = float(1 - ss_res / ss_tot) if ss_tot > 0 else math.nan
+    return out
+
+
+class HoldoutWindows(Dataset):
+    """``n`` random windows of ``window_points`` points of one series, each with ``fraction`` of
+    its observed points hidden (never the first row; a channel whose observed points would all be
+    hidden in a window keeps them all as input there).
+
+    **Shapes:** items ``(times (L,), values (L, D) with 0 at gaps, observed_input (L, D) bool,
+    hidden (L, D) bool)``, ``L = min(window_points, T)``."""
+
+    def __init__(self, series: GappedSeries, n: int, fraction: float, seed: int, window_points: int):
+        rng = np.random.default_rng(seed)
+        obs = series.observed
+        t_len = len(series.times)
+        length = min(window_points, t_len)
+        self.items = []
+        for _ in range(n):
+            start = int(rng.integers(0, t_len - length + 1))
+            sl = slice(start, start + length)
+            o = obs[sl].copy()
+            hide = o & (rng.random(o.shape) < fraction)
+            hide[0] = False
+            inp = o & ~hide
+            inp[:, ~inp.any(axis=0)] = o[:, ~inp.any(axis=0)]
+            hide &= ~inp
+            self.items.append(tuple(torch.as_tensor(x) for x in (
+                series.times[sl], np.nan_to_num(series.values[sl]), inp, hide)))
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]

@@ -137,9 +137,17 @@ def test_failing_plot_write_commits_neither_output(tmp_path, capsys, monkeypatch
 
 
 def test_output_and_plot_on_the_same_path_is_refused(tmp_path, capsys):
-    # the default plot is OUTPUT with .png: an output named .png would be overwritten by its own plot
+    # the default plot is OUTPUT with .png: an output named .png would be overwritten by its own plot.
+    # The table and the plot take disjoint extensions, so the shared layer refuses either collision
+    # as the wrong kind of file, naming the option, before anything is computed or written
+    series = _series_csv(tmp_path / "s.csv")
     out = tmp_path / "o.png"
-    assert _predict(_series_csv(tmp_path / "s.csv"), out) == 2
+    assert _predict(series, out) == 2
     err = _one_line_error(capsys)
-    assert "--plot" in err and "--output" in err
+    assert "--output" in err and "o.png" in err and ".csv" in err
+    assert not out.exists()
+    out = tmp_path / "o.csv"
+    assert _predict(series, out, "--plot", str(out)) == 2
+    err = _one_line_error(capsys)
+    assert "--plot" in err and "o.csv" in err and ".png" in err
     assert not out.exists()
