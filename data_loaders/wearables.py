@@ -13,6 +13,13 @@ of a variable** (never 0).
 * :func:`aggregate_minutes` / :func:`read_actigraphy` — minute-level actigraphy to hours.
 * :func:`to_weeks` — ``(values (W, 168, V), observed, week_starts)`` z-scored per variable, with
   the statistics in ``.stats`` (store them in the model with ``model.set_zscore``).
+* :func:`cohort_weeks` — many participants' tables -> their weeks, stacked and unscaled;
+  :func:`split_participants` — train/val/test weeks, every participant's weeks in one split.
+* :func:`handmade_features` — per-week means, SDs and 24-hour cosinor amplitudes (a probe baseline).
+* :func:`participant_weeks` — any of the sources above (found by its kind) -> one participant's
+  weeks in the variables' units, for a model that z-scores its own inputs (predict/embed).
+* :func:`read_weeks_npz` / :func:`read_labels` — weeks already cut elsewhere (``.npz``) and their
+  participant-level and weekly labels (CSV).
 
 Apple Health rules (all tested in ``tests/data_loaders/test_wearables.py``):
 
@@ -70,6 +77,13 @@ __all__ = [
     "ZScoreStats",
     "Weeks",
     "to_weeks",
+    "cohort_weeks",
+    "split_participants",
+    "handmade_features",
+    "read_participant",
+    "participant_weeks",
+    "read_weeks_npz",
+    "read_labels",
 ]
 
 
@@ -1079,6 +1093,20 @@ class ZScoreStats:
         return cls(tuple(variables), mean, std)
 
     @classmethod
+    def fit_weeks(cls, values: np.ndarray, observed: np.ndarray, variables: Sequence[str]) -> "ZScoreStats":
+        """Fitted on the observed hours of weeks ``(N, 168, V)`` (a variable never observed: left
+        unscaled)."""
+        flat, seen = values.reshape(-1, len(variables)), observed.reshape(-1, len(variables))
+        mean = np.array([flat[seen[:, k], k].mean() if seen[:, k].any() else 0.0 for k in range(len(variables))])
+        std = np.array([flat[seen[:, k], k].std() if seen[:, k].any() else 1.0 for k in range(len(variables))])
+        return cls(tuple(variables), mean, np.where(std > 1e-8, std, 1.0))
+
+    @classmethod
+    def identity(cls, variables: Sequence[str]) -> "ZScoreStats":
+        """No scaling: weeks in the variables' units (a model z-scores them with its own statistics)."""
+        return cls(tuple(variables), np.zeros(len(variables)), np.ones(len(variables)))
+
+    @classmethod
     def from_model(cls, model) -> "ZScoreStats":
         info = model.zscore()
         variables = info["variables"] or [f"var{i}" for i in range(len(info["mean"]))]
@@ -1147,3 +1175,135 @@ def to_weeks(table: pd.DataFrame, *, variables: Sequence[str] | None = None, sta
     keep = observed.any(-1).sum(1) >= max(min_hours, 1)
     starts = pd.DatetimeIndex(grid[::168])[keep]
     return Weeks(values[keep], observed[keep], starts, stats)
+
+
+def handmade_features(values: np.ndarray, observed: np.ndarray) -> np.ndarray:
+    """Per week and variable: mean and SD over observed hours, and the 24-hour cosinor amplitude
+    (least-squares fit of ``m + a cos(2 pi h / 24) + b sin(2 pi h / 24)`` to the observed hours;
+    amplitude ``sqrt(a^2 + b^2)``; NaN below 24 observed hours). Statistics of a variable never
+    observed are NaN (the probe fills them with the training mean).
+
+    **Shapes:** ``(N, 168, V)`` -> ``(N, 3 V)``.
+    """
+    w = observed.astype(float)
+    n = w.sum(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = (values * w).sum(1) / n
+        sd = np.sqrt((((values - mean[:, None]) ** 2) * w).sum(1) / n)
+        angle = 2 * np.pi * (np.arange(168) % 24) / 24
+        basis = np.stack([np.ones(168), np.cos(angle), np.sin(angle)], 1)  # (168, 3)
+        # weighted normal equations per (week, variable): (B' W B) beta = B' W y
+        gram = np.einsum("hk,nhv,hl->nvkl", basis, w, basis) + 1e-6 * np.eye(3)
+        rhs = np.einsum("hk,nhv->nvk", basis, w * values)
+        beta = np.linalg.solve(gram, rhs[..., None])[..., 0]
+        amp = np.hypot(beta[..., 1], beta[..., 2])
+        amp[n < 24] = np.nan
+    return np.concatenate([mean, sd, amp], axis=1)
+
+
+def split_participants(participant: np.ndarray, *, val_fraction: float, test_fraction: float,
+                       seed: int) -> dict[str, np.ndarray]:
+    """Week indices of ``train``, ``val`` and ``test`` participants (every week of a participant in
+    one split), the participants shuffled by ``seed``; at least one participant each in val and test."""
+    people = np.random.default_rng(seed).permutation(np.unique(participant))
+    n_val = max(1, int(round(len(people) * val_fraction)))
+    n_test = max(1, int(round(len(people) * test_fraction)))
+    if n_val + n_test >= len(people):
+        raise ValueError(f"{len(people)} participants are too few for validation and test splits")
+    groups = {"test": people[:n_test], "val": people[n_test:n_test + n_val], "train": people[n_test + n_val:]}
+    return {k: np.flatnonzero(np.isin(participant, v)) for k, v in groups.items()}
+
+
+def cohort_weeks(tables: Sequence[pd.DataFrame], variables: Sequence[str], *, min_hours: int = 24):
+    """Many participants' hourly tables -> their weeks stacked, unscaled: ``(values (N, 168, V),
+    observed, participant (N,) (the table's index), week_start (N,))``."""
+    cut = [to_weeks(t, variables=list(variables), stats=ZScoreStats.identity(variables), min_hours=min_hours)
+           for t in tables]
+    return (np.concatenate([w.values for w in cut]), np.concatenate([w.observed for w in cut]),
+            np.concatenate([np.full(len(w), i) for i, w in enumerate(cut)]),
+            pd.DatetimeIndex([s for w in cut for s in w.week_starts]))
+
+
+_SOURCES = ("an Apple Health export.xml or its apple_health_export folder, a long CSV/Parquet (timestamp, variable, "
+            "value) or a Fitbit folder")
+
+
+def read_participant(source, variables: Sequence[str], *, tz: str | None = None) -> pd.DataFrame:
+    """One participant's hourly table, the reader chosen by the source: an Apple Health
+    ``export.xml`` or the folder holding it (:func:`read_healthkit`), a Fitbit export folder
+    (:func:`read_fitbit`; ``tz`` its zone), a long CSV/Parquet file or DataFrame ``timestamp,
+    variable, value`` (:func:`read_long`), or an hourly table (a DataFrame indexed by hours).
+    ``variables``: the columns wanted; the source must hold at least one of them."""
+    known = [v for v in variables if v in VARIABLES]
+    where = "DataFrame" if isinstance(source, pd.DataFrame) else str(Path(source))
+    path = None if isinstance(source, pd.DataFrame) else Path(source)
+    if path is None:
+        table = source if isinstance(source.index, pd.DatetimeIndex) else read_long(source)
+    elif path.is_dir() and healthkit_export_file(path) is not None:
+        table = read_healthkit(healthkit_export_file(path), variables=known)
+    elif path.is_dir():
+        table = read_fitbit(path, variables=known or None, tz=tz)
+    elif not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (expected {_SOURCES})")
+    elif path.suffix.lower() == ".xml":
+        table = read_healthkit(path, variables=known)
+    elif path.suffix.lower() in (".csv", ".parquet"):
+        table = read_long(path)
+    else:
+        raise HealthDataError(f"{path}: expected {_SOURCES}, got {path.suffix or 'no suffix'!r}")
+    if not any(v in table.columns and table[v].notna().any() for v in variables):
+        raise HealthDataError(f"{where}: none of the model's variables {list(variables)} is in the file (it has "
+                              f"{list(table.columns)})")
+    return table
+
+
+def participant_weeks(source, variables: Sequence[str], *, min_hours: int = 24, tz: str | None = None) -> Weeks:
+    """One participant's weeks from any source of :func:`read_participant`, ``variables`` in
+    order, in their units (unscaled: a model z-scores its inputs with its own statistics); weeks
+    with fewer than ``min_hours`` observed hours are dropped, and none left is an error."""
+    table = read_participant(source, variables, tz=tz)
+    weeks = to_weeks(table, variables=list(variables), stats=ZScoreStats.identity(variables), min_hours=min_hours)
+    if not len(weeks):
+        where = "DataFrame" if isinstance(source, pd.DataFrame) else str(Path(source))
+        raise HealthDataError(f"{where}: no week with at least {min_hours} observed hours")
+    return weeks
+
+
+def read_weeks_npz(path: str | os.PathLike, variables: Sequence[str] | None = None):
+    """Weeks cut elsewhere: an ``.npz`` with ``values`` ``(N, 168, V)`` in the variables' units
+    (NaN: unobserved), ``participant`` ``(N,)`` and optionally ``variables`` ``(V,)`` (else
+    ``variables``, else ``var0, var1, ...``) -> ``(values (0 where unobserved), observed,
+    participant, variables)``."""
+    with np.load(path, allow_pickle=False) as z:
+        missing = [k for k in ("values", "participant") if k not in z]
+        if missing:
+            raise HealthDataError(f"{path}: missing array(s) {missing}; expected values (N, 168, V) and "
+                                  "participant (N,)")
+        raw, participant = z["values"].astype(np.float32), z["participant"]
+        names = [str(v) for v in z["variables"]] if "variables" in z else list(
+            variables or [f"var{i}" for i in range(raw.shape[-1])])
+    if raw.ndim != 3 or raw.shape[1] != 168 or len(participant) != len(raw):
+        raise HealthDataError(f"{path}: values {raw.shape}, participant {participant.shape}: expected "
+                              "(N, 168, V) and (N,)")
+    observed = np.isfinite(raw)
+    return np.where(observed, raw, np.float32(0.0)), observed, participant, names
+
+
+def read_labels(path: str | os.PathLike, participant: np.ndarray,
+                weekly: str | os.PathLike | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The labels of the weeks of :func:`read_weeks_npz`: ``path``, a CSV with a ``participant``
+    column and one column per participant-level task (-> indexed by participant), and ``weekly``,
+    a CSV ``participant, week, tasks...`` matched by the week's index within its participant (->
+    one row per week of ``participant``; no columns without ``weekly``)."""
+    labels = pd.read_csv(path)
+    if "participant" not in labels.columns:
+        raise HealthDataError(f"{path}: no 'participant' column (columns: {list(labels.columns)})")
+    week_labels = pd.DataFrame(index=range(len(participant)))
+    if weekly:
+        table = pd.read_csv(weekly)
+        if not {"participant", "week"} <= set(table.columns):
+            raise HealthDataError(f"{weekly}: expected columns participant, week and weekly tasks")
+        week_idx = pd.Series(participant).groupby(participant).cumcount().to_numpy()
+        keys = pd.MultiIndex.from_arrays([participant, week_idx])
+        week_labels = table.set_index(["participant", "week"]).reindex(keys).reset_index(drop=True)
+    return labels.set_index("participant"), week_labels

@@ -17,30 +17,36 @@ own weekly) label; validation AUROC selects the checkpoint.
 
 Data (``data.kind``): ``synthetic`` — the simulator of
 :mod:`domainfm.data_loaders.wearables_synthetic` (SYNTHETIC: labels are functions of simulated
-physiology, not health records) — or ``npz``: ``data.path`` with arrays ``values`` (N, 168, V) in the
-variables' units (NaN = missing), ``participant`` (N,), optional ``variables``, and ``data.labels``,
-a CSV with a ``participant`` column and one column per task (plus ``week`` for weekly labels in
-``data.weekly_labels``, matched by week index within the participant).
+physiology, not health records) — or ``npz``: weeks in ``data.path`` and labels in ``data.labels``
+(+ ``data.weekly_labels``), as :func:`~domainfm.data_loaders.wearables.read_weeks_npz` and
+:func:`~domainfm.data_loaders.wearables.read_labels` describe.
+
+``domainfm predict|embed wearables`` (and :func:`predict` / :func:`embed`) apply a model to one
+participant's Apple Health, Fitbit or long-table export, week by week.
 """
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import StackDataset
 
-from domainfm.experiment.inference import positive_int  # argparse types
 from domainfm.data_loaders import wearables as W
+from domainfm.data_loaders.wearables import handmade_features  # noqa: F401  (re-exported: the probe's baseline)
 from domainfm.engine import TrainConfig
+from domainfm.errors import InputError
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
+from domainfm.experiment import apply
 from domainfm.lora.settings import LoraSettings
 
 __all__ = ["Config", "DataSection", "ProbeSection", "FAMILY", "build_task", "probe_protocol", "handmade_features",
-           "linear_probe", "run", "evaluate", "read_weeks", "predict", "embed", "predict_main", "embed_main",
-           "retained_other_tasks"]
+           "linear_probe", "run", "evaluate", "read_weeks", "predict", "embed", "APPLY", "ApplyOptions",
+           "ApplySettings", "retained_other_tasks"]
 
 LORA_TARGETS = ["layers.*.mixer.in_proj", "layers.*.mixer.out_proj"]
 SYNTHETIC_NOTE = ("synthetic: SIMULATED cohort (data_loaders/wearables_synthetic.py); labels are functions of the "
@@ -103,21 +109,6 @@ class Config(ExperimentConfig):
 # ----------------------------------------------------------------------------- data
 
 
-class LabelledWeeks(Dataset):
-    """``((values, observed), y)`` per week; values in the variables' units (0 where unobserved)."""
-
-    def __init__(self, values, observed, y):
-        self.values = torch.as_tensor(values, dtype=torch.float32)
-        self.observed = torch.as_tensor(observed, dtype=torch.bool)
-        self.y = torch.as_tensor(y, dtype=torch.float32)
-
-    def __len__(self):
-        return len(self.values)
-
-    def __getitem__(self, i):
-        return (self.values[i], self.observed[i]), self.y[i]
-
-
 def _load(cfg: Config):
     data = cfg.data
     if data.kind == "synthetic":
@@ -125,65 +116,24 @@ def _load(cfg: Config):
 
         cohort = synthetic_cohort(data.synthetic_participants, data.synthetic_weeks, seed=data.synthetic_seed)
         variables = list(data.variables or SYNTHETIC_VARIABLES)
-        identity = W.ZScoreStats(tuple(variables), np.zeros(len(variables)), np.ones(len(variables)))
-        values, observed, participant, week_start = [], [], [], []
-        for pid, table in enumerate(cohort.tables):
-            weeks = W.to_weeks(table, variables=variables, stats=identity, min_hours=data.min_hours)
-            values.append(weeks.values)
-            observed.append(weeks.observed)
-            participant.append(np.full(len(weeks), pid))
-            week_start.extend(weeks.week_starts)
+        values, observed, participant, week_start = W.cohort_weeks(cohort.tables, variables, min_hours=data.min_hours)
         labels = cohort.labels.set_index("participant")[list(cohort.PARTICIPANT_TASKS)]
         weekly = cohort.weekly.set_index(["participant", "week_start"])[list(cohort.WEEKLY_TASKS)]
-        keys = pd.MultiIndex.from_arrays([np.concatenate(participant), pd.DatetimeIndex(week_start)])
-        week_labels = weekly.reindex(keys).reset_index(drop=True)
+        week_labels = weekly.reindex(pd.MultiIndex.from_arrays([participant, week_start])).reset_index(drop=True)
         source = (f"SYNTHETIC cohort (simulated): {data.synthetic_participants} participants x {data.synthetic_weeks} "
                   f"weeks, seed {data.synthetic_seed}")
-        return (np.concatenate(values), np.concatenate(observed), np.concatenate(participant), variables, labels,
-                week_labels, source, SYNTHETIC_NOTE)
+        return values, observed, participant, variables, labels, week_labels, source, SYNTHETIC_NOTE
     if not data.path or not data.labels:
         raise ValueError("data.kind=npz needs data.path (weeks .npz) and data.labels (CSV: participant, tasks...)")
-    with np.load(data.path, allow_pickle=False) as z:
-        missing = [k for k in ("values", "participant") if k not in z]
-        if missing:
-            raise W.HealthDataError(f"{data.path}: missing array(s) {missing}; expected values (N, 168, V) and "
-                                    "participant (N,)")
-        raw, participant = z["values"].astype(np.float32), z["participant"]
-        variables = [str(v) for v in z["variables"]] if "variables" in z else (
-            data.variables or [f"var{i}" for i in range(raw.shape[-1])])
-    if raw.ndim != 3 or raw.shape[1] != 168 or len(participant) != len(raw):
-        raise W.HealthDataError(f"{data.path}: values {raw.shape}, participant {participant.shape}: expected "
-                                "(N, 168, V) and (N,)")
-    observed = np.isfinite(raw)
-    labels = pd.read_csv(data.labels)
-    if "participant" not in labels.columns:
-        raise W.HealthDataError(f"{data.labels}: no 'participant' column (columns: {list(labels.columns)})")
-    labels = labels.set_index("participant")
-    week_labels = pd.DataFrame(index=range(len(raw)))
-    if data.weekly_labels:
-        weekly = pd.read_csv(data.weekly_labels)
-        if not {"participant", "week"} <= set(weekly.columns):
-            raise W.HealthDataError(f"{data.weekly_labels}: expected columns participant, week and weekly tasks")
-        week_idx = pd.Series(participant).groupby(participant).cumcount().to_numpy()
-        keys = pd.MultiIndex.from_arrays([participant, week_idx])
-        week_labels = weekly.set_index(["participant", "week"]).reindex(keys).reset_index(drop=True)
-    return (np.where(observed, raw, 0.0), observed, participant, variables, labels, week_labels,
-            f"npz: {data.path}", "recorded")
-
-
-def _split(participant: np.ndarray, data: DataSection, seed: int) -> dict[str, np.ndarray]:
-    people = np.random.default_rng(seed).permutation(np.unique(participant))
-    n_val = max(1, int(round(len(people) * data.val_fraction)))
-    n_test = max(1, int(round(len(people) * data.test_fraction)))
-    if n_val + n_test >= len(people):
-        raise ValueError(f"{len(people)} participants are too few for validation and test splits")
-    groups = {"test": people[:n_test], "val": people[n_test:n_test + n_val], "train": people[n_test + n_val:]}
-    return {k: np.flatnonzero(np.isin(participant, v)) for k, v in groups.items()}
+    values, observed, participant, variables = W.read_weeks_npz(data.path, data.variables)
+    labels, week_labels = W.read_labels(data.labels, participant, data.weekly_labels)
+    return values, observed, participant, variables, labels, week_labels, f"npz: {data.path}", "recorded"
 
 
 def build_task(cfg: Config) -> TaskData:
     values, observed, participant, variables, labels, week_labels, source, note = _load(cfg)
-    split = _split(participant, cfg.data, cfg.train.seed)
+    split = W.split_participants(participant, val_fraction=cfg.data.val_fraction,
+                                 test_fraction=cfg.data.test_fraction, seed=cfg.train.seed)
     if cfg.target in week_labels.columns:
         y = week_labels[cfg.target].to_numpy(float)
     elif cfg.target in labels.columns:
@@ -194,53 +144,26 @@ def build_task(cfg: Config) -> TaskData:
     binary = set(np.unique(y[np.isfinite(y)])) <= {0.0, 1.0}
     # z-score statistics from the training participants' observed hours (the random arm's; a
     # pretrained model brings its own, loaded with its weights)
-    train_vals = values[split["train"]].reshape(-1, len(variables))
-    train_obs = observed[split["train"]].reshape(-1, len(variables))
-    mean = np.array([train_vals[train_obs[:, k], k].mean() if train_obs[:, k].any() else 0.0
-                     for k in range(len(variables))])
-    std = np.array([train_vals[train_obs[:, k], k].std() if train_obs[:, k].any() else 1.0
-                    for k in range(len(variables))])
-    std = np.where(std > 1e-8, std, 1.0)
+    zscore = W.ZScoreStats.fit_weeks(values[split["train"]], observed[split["train"]], variables)
     datasets = {}
-    for name, idx in split.items():
+    for name, idx in split.items():  # items ((values, observed), y): values in the variables' units, 0 unobserved
         keep = idx[np.isfinite(y[idx])]
-        datasets[name] = LabelledWeeks(values[keep], observed[keep], y[keep])
+        datasets[name] = StackDataset(StackDataset(torch.as_tensor(values[keep], dtype=torch.float32),
+                                                   torch.as_tensor(observed[keep])),
+                                      torch.as_tensor(y[keep], dtype=torch.float32))
     info = {"data_source": source, "variables": ",".join(variables), "n_chans": len(variables), "weeks": len(values),
             "participants": int(len(np.unique(participant))), "target": cfg.target,
             **{f"{k}_weeks": len(v) for k, v in datasets.items()},
             "observed_fraction": round(float(observed.mean()), 4)}
     extras = {"values": values, "observed": observed, "participant": participant, "split": split,
               "labels": labels, "week_labels": week_labels, "variables": variables,
-              "zscore": (mean.tolist(), std.tolist())}
+              "zscore": (zscore.mean.tolist(), zscore.std.tolist())}
     return TaskData(datasets["train"], datasets["val"], datasets["test"], task="binary" if binary else "regression",
                     n_outputs=1, forward_fn=lambda model, x: model(x[0], x[1], raw=True),
                     labels=note, info=info, extras=extras)
 
 
 # ----------------------------------------------------------------------------- probes
-
-
-def handmade_features(values: np.ndarray, observed: np.ndarray) -> np.ndarray:
-    """Per week and variable: mean and SD over observed hours, and the 24-hour cosinor amplitude
-    (least-squares fit of ``m + a cos(2 pi h / 24) + b sin(2 pi h / 24)`` to the observed hours;
-    amplitude ``sqrt(a^2 + b^2)``). Missing statistics are filled with the variable's mean later.
-
-    **Shapes:** ``(N, 168, V)`` -> ``(N, 3 V)``.
-    """
-    w = observed.astype(float)
-    n = w.sum(1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = (values * w).sum(1) / n
-        sd = np.sqrt((((values - mean[:, None]) ** 2) * w).sum(1) / n)
-        angle = 2 * np.pi * (np.arange(168) % 24) / 24
-        basis = np.stack([np.ones(168), np.cos(angle), np.sin(angle)], 1)  # (168, 3)
-        # weighted normal equations per (week, variable): (B' W B) beta = B' W y
-        gram = np.einsum("hk,nhv,hl->nvkl", basis, w, basis) + 1e-6 * np.eye(3)
-        rhs = np.einsum("hk,nhv->nvk", basis, w * values)
-        beta = np.linalg.solve(gram, rhs[..., None])[..., 0]
-        amp = np.hypot(beta[..., 1], beta[..., 2])
-        amp[n < 24] = np.nan
-    return np.concatenate([mean, sd, amp], axis=1)
 
 
 def _metrics_binary(y, p) -> dict[str, float]:
@@ -267,8 +190,6 @@ def linear_probe(features: dict[str, np.ndarray], targets: dict[str, np.ndarray]
     from sklearn.linear_model import LogisticRegression, Ridge
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
-
-    import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # an all-missing feature: filled with 0 below
@@ -334,18 +255,11 @@ def _probe_all(cfg: Config, task: TaskData, week_features: np.ndarray) -> dict[s
     return out
 
 
-@torch.no_grad()
-def _embed(model, task: TaskData, batch_size: int) -> np.ndarray:
-    ex = task.extras
-    values, observed = ex["values"], ex["observed"]
-    device = next(model.parameters()).device
+def _week_embeddings(model, task: TaskData, batch_size: int) -> np.ndarray:
     model.eval()
-    chunks = []
-    for i in range(0, len(values), batch_size):
-        v = torch.as_tensor(values[i:i + batch_size], dtype=torch.float32, device=device)
-        o = torch.as_tensor(observed[i:i + batch_size], dtype=torch.bool, device=device)
-        chunks.append(model.forward_features(v, o, raw=True).float().cpu().numpy())
-    return np.concatenate(chunks)
+    runtime = apply.Runtime(precision="32-true", device=next(model.parameters()).device, batch_size=batch_size)
+    return runtime.batched(lambda v, o: model.forward_features(v, o, raw=True),
+                           task.extras["values"], task.extras["observed"]).numpy()
 
 
 def probe_protocol(ctx: ArmContext) -> dict[str, Any]:
@@ -353,7 +267,7 @@ def probe_protocol(ctx: ArmContext) -> dict[str, Any]:
     cfg, task = ctx.cfg, ctx.task
     if not cfg.probe.enabled:
         return {}
-    out = {"probe": _probe_all(cfg, task, _embed(ctx.model, task, cfg.probe.batch_size))}
+    out = {"probe": _probe_all(cfg, task, _week_embeddings(ctx.model, task, cfg.probe.batch_size))}
     if cfg.probe.handmade:
         if "handmade_probe" not in task.extras:  # the same for every arm: computed once
             feats = handmade_features(task.extras["values"], task.extras["observed"])
@@ -375,10 +289,8 @@ def retained_other_tasks(ctx: ArmContext) -> dict[str, Any]:
     cfg, task = ctx.cfg, ctx.task
     others = [c for c in task.extras["labels"].columns if c != cfg.target]
     weekly = [c for c in task.extras["week_labels"].columns if c != cfg.target]
-    import dataclasses
-
     probe_cfg = dataclasses.replace(cfg, probe=dataclasses.replace(cfg.probe, tasks=others, weekly_tasks=weekly))
-    scores = _probe_all(probe_cfg, task, _embed(ctx.model, task, cfg.probe.batch_size))
+    scores = _probe_all(probe_cfg, task, _week_embeddings(ctx.model, task, cfg.probe.batch_size))
     aurocs = {k: v["auroc"] for k, v in scores.items() if "auroc" in v and np.isfinite(v["auroc"])}
     return {"auroc": float(np.mean(list(aurocs.values()))) if aurocs else float("nan"), "tasks": aurocs}
 
@@ -405,142 +317,103 @@ _NO_VARIABLES = ("the model records no variable names (domainfm.model_kwargs.var
                  "create_model(..., variables=[...]) (fine-tuning runs record them) or add the list to its config.json")
 
 
-def read_weeks(path: str, model, *, min_hours: int = 24, tz: str | None = None) -> W.Weeks:
-    """A participant's file -> the model's weeks (its variables, in its order; values in the
-    variables' units, z-scored inside the model as in training): an Apple Health ``export.xml``
-    (:func:`~domainfm.data_loaders.wearables.read_healthkit`) or the unzipped ``apple_health_export``
-    folder holding it, a long CSV/Parquet ``timestamp, variable, value``
-    (:func:`~domainfm.data_loaders.wearables.read_long`) or a Fitbit export folder."""
-    from pathlib import Path
-
-    from domainfm.errors import InputError
-
+def read_weeks(path, model, *, min_hours: int = 24, tz: str | None = None) -> W.Weeks:
+    """A participant's file (any of :func:`~domainfm.data_loaders.wearables.read_participant`) ->
+    the model's weeks: its variables, in its order, in their units (the model z-scores them)."""
     variables = list(getattr(model, "variables", None) or [])
     if not variables:
         raise InputError(_NO_VARIABLES)
-    p = Path(path)
-    healthkit = W.healthkit_export_file(p) if p.is_dir() else None
-    if healthkit is not None:
-        table = W.read_healthkit(healthkit, variables=[v for v in variables if v in W.VARIABLES])
-    elif p.is_dir():
-        table = W.read_fitbit(p, variables=[v for v in variables if v in W.VARIABLES] or None, tz=tz)
-    elif not p.is_file():
-        raise FileNotFoundError(f"{p}: no such file (--input: export.xml or its apple_health_export folder, a long "
-                                "CSV/Parquet or a Fitbit folder)")
-    elif p.suffix.lower() == ".xml":
-        table = W.read_healthkit(p, variables=[v for v in variables if v in W.VARIABLES])
-    elif p.suffix.lower() in (".csv", ".parquet"):
-        table = W.read_long(p)
-    else:
-        raise W.HealthDataError(f"{p}: expected an Apple Health export.xml, a long .csv/.parquet (timestamp, "
-                                f"variable, value) or a Fitbit folder, got {p.suffix or 'no suffix'!r}")
-    present = [v for v in variables if v in table.columns and table[v].notna().any()]
-    if not present:
-        raise W.HealthDataError(f"{p}: none of the model's variables {variables} is in the file (it has "
-                                f"{list(table.columns)})")
-    identity = W.ZScoreStats(tuple(variables), np.zeros(len(variables)), np.ones(len(variables)))
-    weeks = W.to_weeks(table, variables=variables, stats=identity, min_hours=min_hours)
-    if not len(weeks.values):
-        raise W.HealthDataError(f"{p}: no week with at least {min_hours} observed hours")
-    return weeks
+    return W.participant_weeks(path, variables, min_hours=min_hours, tz=tz)
 
 
-@torch.no_grad()
-def _apply(model, weeks: W.Weeks, what: str, precision: str, device, batch_size: int = 64) -> np.ndarray:
-    from domainfm.precision import autocast
+@dataclass
+class ApplySettings:
+    """The model's ``variables`` (inputs, in order), the ``target`` and ``task`` its head was
+    fine-tuned on (from the run's report); ``where``: the model, as errors name it."""
 
-    model.eval()
-    out = []
-    for i in range(0, len(weeks.values), batch_size):
-        v = torch.as_tensor(weeks.values[i:i + batch_size], dtype=torch.float32, device=device)
-        o = torch.as_tensor(weeks.observed[i:i + batch_size], dtype=torch.bool, device=device)
-        with autocast(precision, device):
-            y = model.forward_features(v, o, raw=True) if what == "embed" else model(v, o, raw=True)
-        out.append(y.float().cpu().numpy())
-    return np.concatenate(out)
+    variables: list[str]
+    target: str = "output"
+    task: str = "binary"
+    where: str = "the model"
 
 
-def _frame(weeks: W.Weeks) -> pd.DataFrame:
-    starts = pd.DatetimeIndex(weeks.week_starts)
-    return pd.DataFrame({"week_start": starts, "week_end": starts + pd.Timedelta(hours=168),
-                         "hours_observed": weeks.observed.any(-1).sum(-1)})
+@dataclass
+class ApplyOptions:
+    min_hours: int = apply.option(24, "drop weeks with fewer observed hours")
 
 
-def predict(path: str, model, *, target: str = "output", task: str = "binary", min_hours: int = 24,
-            precision: str = "auto", device: str = "cpu") -> pd.DataFrame:
-    """Per-week predictions of a fine-tuned WBM: ``week_start, week_end, hours_observed`` and
-    ``p_<target>`` (binary: the sigmoid of the head) or ``<target>`` (regression)."""
-    weeks = read_weeks(path, model, min_hours=min_hours)
-    out = _apply(model, weeks, "predict", precision, device).reshape(len(weeks.values), -1)[:, 0]
-    frame = _frame(weeks)
-    if task == "binary":
-        frame[f"p_{target}"] = 1.0 / (1.0 + np.exp(-out))
-    else:
-        frame[target] = out
-    return frame
-
-
-def embed(path: str, model, *, min_hours: int = 24, precision: str = "auto", device: str = "cpu"):
-    """(the weeks' frame, embeddings ``(W, num_features)``)."""
-    weeks = read_weeks(path, model, min_hours=min_hours)
-    return _frame(weeks), _apply(model, weeks, "embed", precision, device)
-
-
-def _parse(command: str, argv: list[str]):
-    import argparse
-
-    from domainfm.experiment.inference import add_model_arguments
-
-    parser = argparse.ArgumentParser(
-        prog=f"domainfm {command} wearables",
-        description=("Per-week predictions of a fine-tuned WBM (CSV: week_start, week_end, hours_observed, "
-                     "p_<target>)" if command == "predict" else "Per-week WBM embeddings (.npz: week_start, X)")
-        + ". --input: an Apple Health export.xml (or its unzipped apple_health_export folder), a long CSV/Parquet "
-          "(timestamp, variable, value) or a Fitbit export folder of one participant.")
-    add_model_arguments(parser)
-    parser.add_argument("--min-hours", type=positive_int, default=24, help="drop weeks with fewer observed hours")
-    return parser.parse_args(argv)
-
-
-def _load_for_apply(args, command: str):
-    from domainfm.errors import InputError
-    from domainfm.experiment.inference import load_model, resolve_model_dir, run_report
-
-    model = load_model(args.model, arm=args.arm, pretrained=args.pretrained).to(args.device)
-    where = resolve_model_dir(args.model, args.arm) or args.model
+def _settings(ref: apply.ModelRef, model) -> ApplySettings:
+    where = str(ref.model_dir or ref.label)
     if not getattr(model, "variables", None):
         raise InputError(f"{where}: {_NO_VARIABLES}")
-    if command == "predict" and getattr(model, "head", None) is None:
-        raise InputError(f"{where}: the model has no head (a pretrained backbone); use "
+    report = ref.run_report() or {}
+    return ApplySettings(list(model.variables), report.get("data", {}).get("target") or "output",
+                         report.get("task", "binary"), where)
+
+
+def _read(source, settings: ApplySettings, options: ApplyOptions | None):
+    # read by each command (``data()``), so that predict refuses a model without a head, naming
+    # its folder, before the file is read
+    min_hours = (options or ApplyOptions()).min_hours
+    return lambda: W.participant_weeks(source, settings.variables, min_hours=min_hours)
+
+
+def _frame(week_starts, hours_observed) -> pd.DataFrame:
+    starts = pd.DatetimeIndex(week_starts)
+    return pd.DataFrame({"week_start": starts, "week_end": starts + pd.Timedelta(hours=168),
+                         "hours_observed": hours_observed})
+
+
+def _predict(data, model, settings: ApplySettings, options, run: apply.Runtime) -> apply.Output:
+    if getattr(model, "head", None) is None:
+        raise InputError(f"{settings.where}: the model has no head (a pretrained backbone); use "
                          "`domainfm embed wearables` for its embeddings, or fine-tune it first")
-    report = run_report(args.model) or {}
-    return model, report
+    weeks = data()
+    out = run.batched(lambda v, o: model(v, o, raw=True), weeks.values, weeks.observed)
+    out = out.reshape(len(weeks), -1)[:, 0].numpy()
+    frame = _frame(weeks.week_starts, weeks.observed.any(-1).sum(-1))
+    if settings.task == "binary":
+        frame[f"p_{settings.target}"] = 1.0 / (1.0 + np.exp(-out))
+    else:
+        frame[settings.target] = out
+    return apply.Output(frame, summary=f"{len(frame)} weeks")
 
 
-def predict_main(argv: list[str]) -> int:
-    """``domainfm predict wearables --model RUN_OR_DIR --input export.xml --output weeks.csv``."""
-    from domainfm.atomic import atomic_write_text
-
-    args = _parse("predict", argv)
-    model, report = _load_for_apply(args, "predict")
-    target = report.get("data", {}).get("target") or "output"
-    frame = predict(args.input, model, target=target, task=report.get("task", "binary"), min_hours=args.min_hours,
-                    precision=args.precision, device=args.device)
-    atomic_write_text(args.output, frame.to_csv(index=False))
-    print(f"predict wearables: {len(frame)} weeks -> {args.output}")
-    return 0
+def _embed(data, model, settings: ApplySettings, options, run: apply.Runtime) -> apply.Output:
+    weeks = data()
+    X = run.batched(lambda v, o: model.forward_features(v, o, raw=True), weeks.values, weeks.observed).numpy()
+    out = {"week_start": np.asarray(weeks.week_starts.astype(str), dtype=str), "X": X,
+           "hours_observed": weeks.observed.any(-1).sum(-1)}
+    return apply.Output(out, summary=f"{X.shape[0]} weeks x {X.shape[1]}")
 
 
-def embed_main(argv: list[str]) -> int:
-    """``domainfm embed wearables --model RUN_OR_DIR --input export.xml --output weeks.npz``."""
-    from domainfm.atomic import atomic_path
+APPLY = apply.Applier(
+    family="wearables",
+    input="an Apple Health export.xml (or its unzipped apple_health_export folder), a long CSV/Parquet (timestamp, "
+          "variable, value) or a Fitbit export folder of one participant",
+    read=_read, settings=_settings, options=ApplyOptions, batch_size=64,
+    predict=apply.Command(_predict, apply.TABLE,
+                          what="Per-week predictions of a fine-tuned WBM (CSV: week_start, week_end, hours_observed, "
+                               "p_<target>)."),
+    embed=apply.Command(_embed, apply.ARRAYS,
+                        what="Per-week WBM embeddings (.npz: week_start, X (weeks, num_features), hours_observed)."),
+)
 
-    args = _parse("embed", argv)
-    model, _ = _load_for_apply(args, "embed")
-    frame, features = embed(args.input, model, min_hours=args.min_hours, precision=args.precision, device=args.device)
-    with atomic_path(args.output) as tmp:
-        with open(tmp, "wb") as fh:
-            np.savez(fh, week_start=frame["week_start"].astype(str).to_numpy(), X=features,
-                     hours_observed=frame["hours_observed"].to_numpy())
-    print(f"embed wearables: {features.shape[0]} weeks x {features.shape[1]} -> {args.output}")
-    return 0
+
+def predict(path, model, *, target: str = "output", task: str = "binary", min_hours: int = 24,
+            precision: str = "auto", device: str = "cpu") -> pd.DataFrame:
+    """Per-week predictions of a fine-tuned WBM: ``week_start, week_end, hours_observed`` and
+    ``p_<target>`` (binary: the sigmoid of the head) or ``<target>`` (regression). ``path``: any
+    input of :func:`read_weeks` (or a DataFrame); ``domainfm.predict`` takes ``target``/``task``
+    from the run instead."""
+    module, ref = apply.resolve(model, device=device)
+    settings = dataclasses.replace(_settings(ref, module), target=target, task=task)
+    return apply.run("predict", APPLY, module, path, settings=settings, precision=precision, device=device,
+                     options=ApplyOptions(min_hours)).value
+
+
+def embed(path, model, *, min_hours: int = 24, precision: str = "auto", device: str = "cpu"):
+    """(the weeks' frame, embeddings ``(W, num_features)``)."""
+    out = apply.run("embed", APPLY, model, path, precision=precision, device=device,
+                    options=ApplyOptions(min_hours)).value
+    return _frame(out["week_start"], out["hours_observed"]), out["X"]

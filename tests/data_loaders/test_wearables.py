@@ -1,5 +1,6 @@
 """Wearables data: every Apple Health rule on hand-written exports, bad and malicious files, the
-Fitbit / long-table / actigraphy readers, and participant-weeks."""
+Fitbit / long-table / actigraphy readers, participant-weeks (one participant's from any source, a
+cohort's, from ``.npz`` with their labels, split by participant) and the hand-made week features."""
 from __future__ import annotations
 
 import json
@@ -420,3 +421,101 @@ def test_fast_engine_equals_expat_on_tricky_exports(tmp_path):
                       name="declared.xml")
     with pytest.raises(W.HealthDataError, match="entity 'x'"):
         W.read_healthkit(declared)
+
+
+def test_handmade_features_mean_sd_and_cosinor_amplitude():
+    hours = np.arange(168)
+    v0 = 5 + 3 * np.cos(2 * np.pi * (hours % 24) / 24 - 1.0)  # amplitude 3 around 5
+    values = np.stack([v0, np.full(168, 2.0)], -1)[None]
+    observed = np.ones_like(values, dtype=bool)
+    observed[0, ::3, 0] = False
+    f = W.handmade_features(np.where(observed, values, 0.0), observed)
+    assert f.shape == (1, 6)
+    kept = v0[observed[0, :, 0]]
+    np.testing.assert_allclose(f[0, 0], kept.mean())
+    np.testing.assert_allclose(f[0, 2], kept.std())
+    np.testing.assert_allclose(f[0, 4], 3.0, rtol=1e-4)  # the cosinor amplitude, despite the gaps
+    np.testing.assert_allclose(f[0, [1, 3, 5]], [2.0, 0.0, 0.0], atol=1e-6)
+
+
+def _long(table: pd.DataFrame) -> pd.DataFrame:
+    return table.rename_axis("timestamp").reset_index().melt("timestamp", var_name="variable").dropna()
+
+
+def test_participant_weeks_from_any_source_are_the_tables_unscaled_weeks(tmp_path):
+    index = pd.date_range("2024-01-01", periods=24 * 12, freq="h")
+    rng = np.random.default_rng(1)
+    table = pd.DataFrame({"steps": rng.poisson(200, len(index)).astype(float),
+                          "heart_rate": rng.normal(70, 5, len(index))}, index=index)
+    table.iloc[24 * 7 + 30:, 0] = np.nan  # week 2: heart rate only, 5 days
+    _long(table).to_csv(tmp_path / "p.csv", index=False)
+    variables = ["heart_rate", "steps", "sleep_min"]  # the model's order; sleep_min is in no source
+    for source in (tmp_path / "p.csv", _long(table), table):
+        weeks = W.participant_weeks(source, variables, min_hours=24)
+        assert weeks.values.shape == (2, 168, 3) and list(weeks.week_starts) == [index[0], index[168]]
+        np.testing.assert_allclose(weeks.values[0, :, 0], table["heart_rate"].iloc[:168], rtol=1e-6)  # unscaled
+        np.testing.assert_allclose(weeks.values[0, :, 1], table["steps"].iloc[:168], rtol=1e-6)
+        assert weeks.observed[1, :, 1].sum() == 30 and not weeks.observed[..., 2].any()
+    assert len(W.participant_weeks(table, variables, min_hours=150)) == 1  # week 2 has 120 observed hours
+    with pytest.raises(W.HealthDataError, match="no week with at least 200 observed hours"):
+        W.participant_weeks(table, variables, min_hours=200)
+    with pytest.raises(W.HealthDataError, match=r"none of the model's variables \['spo2'\]"):
+        W.participant_weeks(tmp_path / "p.csv", ["spo2"])
+    (tmp_path / "p.json").write_text("{}")
+    with pytest.raises(W.HealthDataError, match=r"p\.json: expected an Apple Health export.xml.*got '\.json'"):
+        W.participant_weeks(tmp_path / "p.json", variables)
+
+
+def test_cohort_weeks_zscore_fit_and_participant_split():
+    rng = np.random.default_rng(2)
+    tables = [pd.DataFrame({"steps": rng.poisson(100 + 50 * i, 24 * 14).astype(float)},
+                           index=pd.date_range("2024-01-01", periods=24 * 14, freq="h")) for i in range(10)]
+    tables[3] = tables[3].iloc[:24 * 7]  # one week only
+    values, observed, participant, week_start = W.cohort_weeks(tables, ["steps"], min_hours=24)
+    assert values.shape == (19, 168, 1) and observed.all()
+    np.testing.assert_array_equal(participant, np.repeat(np.arange(10), [2, 2, 2, 1, 2, 2, 2, 2, 2, 2]))
+    np.testing.assert_allclose(values[6, :, 0], tables[3]["steps"])  # participant 3's only week, unscaled
+    assert list(week_start[:3]) == [pd.Timestamp("2024-01-01"), pd.Timestamp("2024-01-08"), pd.Timestamp("2024-01-01")]
+    observed[0, :100] = False
+    stats = W.ZScoreStats.fit_weeks(values, observed, ["steps"])
+    seen = values[observed]
+    np.testing.assert_allclose([stats.mean[0], stats.std[0]], [seen.mean(), seen.std()], rtol=1e-6)
+    split = W.split_participants(participant, val_fraction=0.2, test_fraction=0.3, seed=0)
+    assert sorted(np.concatenate(list(split.values()))) == list(range(19))  # every week in one split
+    people = {k: set(participant[v]) for k, v in split.items()}
+    assert [len(people[k]) for k in ("train", "val", "test")] == [5, 2, 3]
+    assert not (people["train"] & people["val"]) and not (people["train"] & people["test"])
+    assert not (people["val"] & people["test"])
+    with pytest.raises(ValueError, match="3 participants are too few"):
+        W.split_participants(np.arange(3), val_fraction=0.5, test_fraction=0.4, seed=0)
+
+
+def test_weeks_npz_and_labels(tmp_path):
+    raw = np.arange(4 * 168 * 2, dtype=np.float32).reshape(4, 168, 2)
+    raw[1, 5, 0] = np.nan
+    participant = np.array([7, 7, 9, 7])
+    np.savez(tmp_path / "w.npz", values=raw, participant=participant)
+    values, observed, who, variables = W.read_weeks_npz(tmp_path / "w.npz", ["a", "b"])
+    assert variables == ["a", "b"] and values.dtype == np.float32 and (who == participant).all()
+    assert not observed[1, 5, 0] and values[1, 5, 0] == 0 and observed.sum() == raw.size - 1
+    np.testing.assert_array_equal(values[observed], raw[observed])
+    np.savez(tmp_path / "named.npz", values=raw, participant=participant, variables=np.array(["x", "y"]))
+    assert W.read_weeks_npz(tmp_path / "named.npz", ["a", "b"])[3] == ["x", "y"]  # the file's names win
+    assert W.read_weeks_npz(tmp_path / "w.npz")[3] == ["var0", "var1"]
+    np.savez(tmp_path / "bad.npz", values=raw[:, :100], participant=participant)
+    with pytest.raises(W.HealthDataError, match=r"bad\.npz: values \(4, 100, 2\).*expected \(N, 168, V\)"):
+        W.read_weeks_npz(tmp_path / "bad.npz")
+    np.savez(tmp_path / "none.npz", values=raw)
+    with pytest.raises(W.HealthDataError, match=r"missing array\(s\) \['participant'\]"):
+        W.read_weeks_npz(tmp_path / "none.npz")
+    pd.DataFrame({"participant": [9, 7], "fit": [1, 0]}).to_csv(tmp_path / "l.csv", index=False)
+    pd.DataFrame({"participant": [7, 7, 9], "week": [2, 0, 0], "tired": [1, 0, 1]}).to_csv(tmp_path / "wk.csv",
+                                                                                           index=False)
+    labels, weekly = W.read_labels(tmp_path / "l.csv", participant, tmp_path / "wk.csv")
+    assert labels["fit"].to_dict() == {9: 1, 7: 0}
+    # weeks of 7: its 0th, 1st, 2nd week; the 1st has no label
+    np.testing.assert_array_equal(weekly["tired"].to_numpy(), [0, np.nan, 1, 1])
+    assert W.read_labels(tmp_path / "l.csv", participant)[1].shape == (4, 0)
+    pd.DataFrame({"id": [1]}).to_csv(tmp_path / "x.csv", index=False)
+    with pytest.raises(W.HealthDataError, match="no 'participant' column"):
+        W.read_labels(tmp_path / "x.csv", participant)
