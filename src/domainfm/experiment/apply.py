@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -109,6 +110,8 @@ class Applier:
     batch_size: int = 32
     description: str = ""
     has_head: Callable[[Any], bool] = lambda model: getattr(model, "head", None) is not None
+    #: names ``--input`` takes besides files: the family's shipped samples, resolved by its ``read``
+    samples: Sequence[str] = ()
 
     def command(self, name: str) -> Command:
         cmd = getattr(self, name, None)
@@ -120,7 +123,8 @@ class Applier:
 @dataclass
 class Raster:
     """A georeferenced array: ``data`` (bands, H, W) or (H, W) and the rasterio ``profile`` of its
-    grid (crs, transform, nodata)."""
+    grid (crs, transform, nodata, creation options such as compress), with two keys that are set
+    after the pixels: ``descriptions`` (one name per band) and ``tags`` (the file's metadata)."""
 
     data: Any
     profile: dict[str, Any]
@@ -195,14 +199,20 @@ def write_settings(model_dir: str | Path, settings: Mapping[str, Any]) -> Path:
 
 def resolve(model: Any, *, arm: str | None = None, pretrained: Any = None, device: Any = "cpu", **kwargs: Any):
     """``(model, ref)``: the module ``model`` names, in eval mode on ``device``, resolved once."""
-    from domainfm import create_model
     from torch import nn
+
+    from domainfm import create_model, zoo
 
     ref = ModelRef.of(model, arm)
     if isinstance(model, nn.Module):
         module = model
     elif ref.model_dir is not None:
         module = create_model(ref.model_dir, **kwargs)
+    elif pretrained is None and not zoo.get_card(zoo.split_tag(str(model))[0]).weights:
+        # a registered name whose card lists no weights (a test-sized variant): random init, said aloud
+        print(f"warning: {model} has no registered weights: RANDOM initialisation (pass a run or model folder as "
+              "--model, or --pretrained, for a trained model)", file=sys.stderr)
+        module = create_model(str(model), **kwargs)
     else:
         if isinstance(pretrained, str) and pretrained.strip().lower() in ("none", "false", "random"):
             pretrained = False  # --pretrained none: random init
@@ -279,7 +289,7 @@ def run(command: str, applier: Applier, model: Any, inputs: Any, *, settings: An
                          f"its <arm>/model); for features use `domainfm embed {applier.family}`")
     if settings is None and applier.settings is not None:
         settings = applier.settings(ref, module)
-    if isinstance(inputs, (str, Path)) and not Path(inputs).exists():
+    if isinstance(inputs, (str, Path)) and not Path(inputs).exists() and str(inputs) not in applier.samples:
         raise FileNotFoundError(f"{inputs}: no such file (--input: {applier.input})")
     data = applier.read(inputs, settings, options)
     runtime = Runtime(precision=precision, device=device, batch_size=batch_size or applier.batch_size, output=output)
@@ -419,11 +429,11 @@ def check_outputs(paths: Mapping[str, tuple[Path, Sequence[str]]]) -> None:
     a file goes, a file where a folder must be, or two outputs on one path."""
     seen: dict[Path, str] = {}
     for flag, (path, suffixes) in paths.items():
+        if path.is_dir():
+            raise InputError(f"{flag} {path}: is a folder; expected a file path")
         if suffixes and path.suffix.lower() not in suffixes:
             raise InputError(f"{flag} {path}: expected a {' or '.join(suffixes)} file, got "
                              f"{path.suffix or 'no extension'!r}")
-        if path.is_dir():
-            raise InputError(f"{flag} {path}: is a folder; expected a file path")
         for parent in path.parents:
             if parent.exists():
                 if not parent.is_dir():
@@ -453,8 +463,12 @@ def write(value: Any, path: Path) -> None:
         data = data[None] if data.ndim == 2 else data
         profile = {**value.profile, "driver": "GTiff", "count": data.shape[0], "height": data.shape[1],
                    "width": data.shape[2], "dtype": str(data.dtype)}
+        descriptions, tags = profile.pop("descriptions", None) or (), profile.pop("tags", None) or {}
         with rasterio.open(path, "w", **profile) as dst:
             dst.write(data)
+            for band, name in enumerate(descriptions, start=1):
+                dst.set_band_description(band, name)
+            dst.update_tags(**{k: str(v) for k, v in tags.items()})
     elif suffix == ".npz":
         if not isinstance(value, Mapping):
             raise TypeError(f"{path}: .npz takes a mapping of arrays, got {type(value).__name__}")
