@@ -4,7 +4,10 @@
   resolutions (Sentinel-2's 10/20/60 m bands), resampled onto one common grid (the finest
   resolution over the files' common extent, or the ``resolution`` asked for).
 * :func:`select_bands`, :class:`BandStats` (per-band mean/std, computed or given) and
-  :func:`write_geotiff` (atomic) around them.
+  :func:`write_geotiff` (atomic; its profile: :func:`geotiff_profile`) around them.
+* Tiling a scene: :func:`tile_origins` (:func:`tiles_with_data`: only tiles holding data),
+  :func:`stitch_tiles` (per-tile values back into a map), :func:`tile_bounds` (each tile's
+  extent in the scene's CRS); :func:`rgb_preview` and :func:`class_map_figure` to show them.
 * :func:`load_scene`: the shipped sample or your rasters as one normalised ``(C, H, W)`` scene.
 * Missing values: a value equal to the file's nodata, or not finite (NaN, +-inf, in a float file),
   is missing (:func:`missing_values`); statistics leave it out and a model's input holds the
@@ -13,12 +16,16 @@
   ``DOMAINFM_MAX_RASTER_BYTES`` environment variable or ``read_raster(max_bytes=...)`` change it)
   is refused with :class:`RasterTooLarge` before any pixel is read.
 * Datasets: :class:`SceneTiles` (tiles cut from one scene), :class:`ImageFolder` (EuroSAT style
-  ``root/<class>/<image>.tif``), :class:`CsvManifest` (fMoW style ``image_path,label`` CSV) and
-  :class:`UnlabelledImages` (any of them without labels, for self-supervised pretraining).
+  ``root/<class>/<image>.tif``), :class:`CsvManifest` (fMoW style ``image_path,label`` CSV),
+  split into train/validation by :func:`labelled_images`, and :class:`UnlabelledImages` (any of
+  them without labels, for self-supervised pretraining).
 * Transforms on ``(C, H, W)`` tensors with *any* number of bands: :class:`MultiCrop` (DINOv2:
   2 global + N local random-resized crops), :class:`MaeTransform` and :class:`Resize`.
 * :func:`spectral_index_classes`: land-cover classes **derived from spectral indices**
-  (NDVI/NDWI thresholds). They are a constructed demo label, not ground truth.
+  (NDVI/NDWI thresholds). They are a constructed demo label, not ground truth; so are the
+  :func:`terciles` of a tile's :func:`brightness_cv` (texture) or :func:`mean_ndmi` (moisture).
+  :func:`sample_tile_task` makes the shipped scene a spatially split tile-classification task
+  with those labels.
 
 **Shapes:** images are ``(C, H, W)``; a batch of multi-crops is a list of ``(B, C, h, w)``.
 """
@@ -53,16 +60,22 @@ __all__ = [
     "canonical_band",
     "match_bands",
     "tile_origins",
+    "tiles_with_data",
     "stitch_tiles",
+    "tile_bounds",
+    "rgb_preview",
+    "class_map_figure",
     "Raster",
     "select_bands",
     "BandStats",
+    "geotiff_profile",
     "write_geotiff",
     "Scene",
     "load_scene",
     "SceneTiles",
     "ImageFolder",
     "CsvManifest",
+    "labelled_images",
     "UnlabelledImages",
     "MultiCrop",
     "MaeTransform",
@@ -71,11 +84,17 @@ __all__ = [
     "multicrop_collate",
     "ndvi",
     "ndwi",
+    "ndmi",
+    "mean_ndmi",
+    "brightness_cv",
+    "terciles",
     "spectral_index_classes",
     "INDEX_CLASSES",
     "SENTINEL2_BANDS",
     "EXPLORA_SENTINEL2_BANDS",
     "sample_scene_path",
+    "SampleTileTask",
+    "sample_tile_task",
 ]
 
 #: the 13 Sentinel-2 L1C bands in file order
@@ -442,6 +461,26 @@ def tile_origins(height: int, width: int, tile_size: int, stride: int | None = N
     return [(r, c) for r in starts(height) for c in starts(width)]
 
 
+def tiles_with_data(scene: ModelInput, tile_size: int, stride: int | None = None, *, edge: str = "shift",
+                    source: str | None = None) -> list[tuple[int, int]]:
+    """:func:`tile_origins` of a scene read by :func:`read_scene_for_model`, less the tiles in
+    which no pixel holds data (``scene.valid``): those are not classified.
+
+    Raises:
+        SatelliteDataError naming ``source``, the tile size and the scene's bands when no tile is left.
+    """
+    _, height, width = scene.image.shape
+    origins = tile_origins(height, width, tile_size, stride, edge=edge, source=source)
+    if scene.valid.all():
+        return origins
+    origins = [(r, c) for r, c in origins if scene.valid[r:r + tile_size, c:c + tile_size].any()]
+    if not origins:
+        raise SatelliteDataError(f"{source}: no {tile_size} x {tile_size} tile (edge={edge!r}) covers a pixel with "
+                                 f"data in bands {scene.bands}; the others are nodata ({scene.raster.nodata}), NaN "
+                                 "or inf")
+    return origins
+
+
 def stitch_tiles(values: np.ndarray, origins: Sequence[tuple[int, int]], shape: tuple[int, int], tile_size: int, *,
                  fill) -> np.ndarray:
     """Per-tile values ``(N,)`` -> a ``shape`` map in which every covered pixel holds the value of
@@ -465,6 +504,17 @@ def stitch_tiles(values: np.ndarray, origins: Sequence[tuple[int, int]], shape: 
         window[closer] = dist[closer]
         out[r:r + tile_size, c:c + tile_size][closer] = value
     return out
+
+
+def tile_bounds(transform, origins: Sequence[tuple[int, int]], tile_size: int) -> np.ndarray:
+    """``(N, 4)`` float64 extent (left, bottom, right, top, in the scene's CRS) of each tile whose
+    top-left pixel is ``origins[i]``: its four corners through the affine ``transform``, so a
+    rotated grid gives the box around the rotated tile."""
+    a, b, c0, d, e, f = tuple(transform)[:6]
+    rows, cols = np.array([o[0] for o in origins]), np.array([o[1] for o in origins])
+    corners = np.stack([(cols + dc, rows + dr) for dc in (0, tile_size) for dr in (0, tile_size)])  # (4, 2, N)
+    xs, ys = a * corners[:, 0] + b * corners[:, 1] + c0, d * corners[:, 0] + e * corners[:, 1] + f
+    return np.stack([xs.min(0), ys.min(0), xs.max(0), ys.max(0)], 1).astype(np.float64)
 
 
 @dataclass
@@ -516,26 +566,43 @@ class BandStats:
         return x * std + mean
 
 
+def geotiff_profile(*, transform, crs, dtype, nodata: float | None = None, compress: str = "deflate",
+                    band_names: Sequence[str] | None = None, tags: dict[str, object] | None = None) -> dict:
+    """The GeoTIFF creation profile of :func:`write_geotiff`: grid, nodata, deflate compression
+    (with the horizontal predictor for integer pixels); ``band_names`` and ``tags`` ride along as
+    ``descriptions`` and ``tags``, which a writer sets after the pixels (``set_band_description``,
+    ``update_tags``; values as text). Width, height and band count come from the data written."""
+    profile = dict(driver="GTiff", dtype=np.dtype(dtype).name, transform=transform, crs=crs, compress=compress,
+                   nodata=nodata)
+    if compress == "deflate" and np.dtype(dtype).kind in "ui":
+        profile["predictor"] = 2
+    if band_names is not None:
+        profile["descriptions"] = list(band_names)
+    if tags:
+        profile["tags"] = {k: str(v) for k, v in tags.items()}
+    return profile
+
+
 def write_geotiff(path: str | os.PathLike, data: np.ndarray, *, transform, crs, band_names: Sequence[str] | None = None,
                   nodata: float | None = None, compress: str = "deflate", tags: dict[str, str] | None = None) -> Path:
-    """Write ``(C, H, W)`` to a tiled, compressed GeoTIFF atomically (``domainfm.atomic``);
-    ``tags`` become the file's metadata (``rasterio``'s ``update_tags``)."""
+    """Write ``(C, H, W)`` to a tiled, compressed GeoTIFF atomically (``domainfm.atomic``) with the
+    profile of :func:`geotiff_profile`; ``tags`` become the file's metadata."""
     rasterio = _rasterio()
     path = Path(path)
     if data.ndim != 3:
         raise SatelliteDataError(f"write_geotiff: expected (C, H, W), got shape {data.shape}")
     if band_names is not None and len(band_names) != data.shape[0]:
         raise SatelliteDataError(f"write_geotiff: {len(band_names)} band names for {data.shape[0]} bands")
-    profile = dict(driver="GTiff", width=data.shape[2], height=data.shape[1], count=data.shape[0], dtype=data.dtype.name,
-                   transform=transform, crs=crs, compress=compress, nodata=nodata)
-    if compress == "deflate" and data.dtype.kind in "ui":
-        profile["predictor"] = 2
-    with atomic_path(path, suffix=".tif") as tmp, rasterio.open(tmp, "w", **profile) as dst:
+    profile = geotiff_profile(transform=transform, crs=crs, dtype=data.dtype, nodata=nodata, compress=compress,
+                              band_names=band_names, tags=tags)
+    descriptions, tags = profile.pop("descriptions", []), profile.pop("tags", None)
+    with atomic_path(path, suffix=".tif") as tmp, rasterio.open(
+            tmp, "w", width=data.shape[2], height=data.shape[1], count=data.shape[0], **profile) as dst:
         dst.write(data)
-        for i, name in enumerate(band_names or []):
+        for i, name in enumerate(descriptions):
             dst.set_band_description(i + 1, name)
         if tags:
-            dst.update_tags(**{k: str(v) for k, v in tags.items()})
+            dst.update_tags(**tags)
     return path
 
 
@@ -738,6 +805,32 @@ class CsvManifest(Dataset):
         return (self.transform(x) if self.transform else x), label
 
 
+def labelled_images(kind: str, path: str | os.PathLike, *, val_path: str | os.PathLike | None = None,
+                    val_fraction: float = 0.2, seed: int = 0, n_bands: int | None = None,
+                    bands: Sequence[int] | None = None, stats: BandStats | None = None,
+                    train_transform: Callable | None = None, eval_transform: Callable | None = None):
+    """Train and validation images of an :class:`ImageFolder` (``kind="folder"``) or a
+    :class:`CsvManifest` (``kind="csv"``) at ``path``: ``val_path`` (of the same kind; a CSV's
+    labels mapped onto the training classes) validates, else a ``val_fraction`` of ``path`` drawn
+    with ``seed`` does. Returns ``(train, val, class names)``, two ``torch.utils.data.Subset`` of
+    datasets with ``train_transform`` / ``eval_transform``."""
+    from torch.utils.data import Subset
+
+    make = {"folder": ImageFolder, "csv": CsvManifest}[kind]
+    kw = dict(n_bands=n_bands, bands=bands, stats=stats)
+    train_ds, eval_ds = make(path, transform=train_transform, **kw), make(path, transform=eval_transform, **kw)
+    if val_path:
+        same_classes = {} if kind == "folder" else {"classes": train_ds.classes}
+        val_ds = make(val_path, transform=eval_transform, **kw, **same_classes)
+        train, val = Subset(train_ds, range(len(train_ds))), Subset(val_ds, range(len(val_ds)))
+    else:
+        order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(seed)).tolist()
+        n_val = max(1, int(round(val_fraction * len(train_ds))))
+        train, val = Subset(train_ds, order[n_val:]), Subset(eval_ds, order[:n_val])
+    classes = list(train_ds.classes or range(max(label for _, label in train_ds.samples) + 1))
+    return train, val, [str(c) for c in classes]
+
+
 # ----------------------------------------------------------------------------- transforms
 
 
@@ -853,6 +946,58 @@ class Resize:
         return _flip(x, self.rng) if self.flip else x
 
 
+# ----------------------------------------------------------------------------- display
+
+
+def rgb_preview(raster: Raster) -> np.ndarray:
+    """``(H, W, 3)`` in [0, 1] for display: the raster's red, green and blue bands (found by
+    name, :func:`match_bands`), each stretched between its 2nd and 98th percentile over the
+    values that hold data; a file without them shows its first band in grey."""
+    try:
+        raw = raster.data[match_bands(raster.band_names, ["red", "green", "blue"])]
+    except SatelliteDataError:
+        raw = np.repeat(raster.data[:1], 3, axis=0)
+    bands = raw.astype(np.float32)
+    valid = np.where(missing_values(raw, raster.nodata) | ~np.isfinite(bands), np.nan, bands)
+    lo, hi = np.nanpercentile(valid, 2, axis=(1, 2)), np.nanpercentile(valid, 98, axis=(1, 2))
+    out = (bands - lo[:, None, None]) / np.maximum(hi - lo, 1e-6)[:, None, None]
+    return np.nan_to_num(np.clip(out, 0, 1)).transpose(1, 2, 0)
+
+
+def class_map_figure(raster: Raster, classes: np.ndarray, class_names: Sequence[str], *, nodata: int,
+                     reference: np.ndarray | None = None, title: str | None = None):
+    """A matplotlib figure (Agg canvas, no pyplot): the scene's RGB (:func:`rgb_preview`) beside a
+    ``(H, W)`` class map (``nodata`` left blank) and, if given, ``reference`` labels on the same
+    colours, with one legend entry per class."""
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    k = len(class_names)
+    colours = colormaps["tab10" if k <= 10 else "tab20"](np.arange(k) % (10 if k <= 10 else 20))
+    cmap, norm = ListedColormap(colours), BoundaryNorm(np.arange(k + 1) - 0.5, k)
+    panels = [("scene (RGB)", None), ("predicted classes", classes)]
+    if reference is not None:
+        panels.append(("reference labels", reference))
+    fig = Figure(figsize=(4.2 * len(panels), 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    for ax, (name, data) in zip(fig.subplots(1, len(panels)), panels):
+        if data is None:
+            ax.imshow(rgb_preview(raster))
+        else:
+            ax.imshow(np.ma.masked_equal(data, nodata), cmap=cmap, norm=norm, interpolation="nearest")
+        ax.set_title(name)
+        ax.set_xticks([]), ax.set_yticks([])
+    fig.legend(handles=[Patch(color=colours[i], label=n) for i, n in enumerate(class_names)],
+               loc="lower center", ncol=min(k, 5), bbox_to_anchor=(0.5, -0.02), frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.get_layout_engine().set(rect=(0, 0.06, 1, 0.94))
+    return fig
+
+
 # ----------------------------------------------------------------------------- spectral-index labels
 
 
@@ -866,6 +1011,31 @@ def ndwi(green: torch.Tensor, nir: torch.Tensor) -> torch.Tensor:
     """McFeeters' normalised difference water index ``(green - NIR) / (green + NIR)``."""
     green, nir = green.float(), nir.float()
     return (green - nir) / (green + nir).clamp_min(1e-6)
+
+
+def ndmi(nir: torch.Tensor, swir: torch.Tensor) -> torch.Tensor:
+    """Normalised difference moisture index ``(NIR - SWIR) / (NIR + SWIR)`` (Sentinel-2: B08, B11)."""
+    nir, swir = nir.float(), swir.float()
+    return (nir - swir) / (nir + swir).clamp_min(1e-6)
+
+
+def mean_ndmi(tile: torch.Tensor, band_names: Sequence[str]) -> float:
+    """Mean :func:`ndmi` of a tile, from its bands B08 and B11 by name."""
+    nir, swir = (select_bands(tile, band_names, [b], source="tile")[0] for b in ("B08", "B11"))
+    return float(ndmi(nir, swir).mean())
+
+
+def brightness_cv(tile: torch.Tensor, band_names: Sequence[str]) -> float:
+    """Coefficient of variation of a tile's visible brightness (the mean of B02, B03, B04 by name):
+    a texture measure."""
+    bright = select_bands(tile, band_names, ["B02", "B03", "B04"], source="tile").float().mean(0)
+    return float(bright.std() / bright.mean().clamp_min(1e-6))
+
+
+def terciles(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """0/1/2 by the 1/3 and 2/3 quantiles of ``values``: three balanced constructed classes."""
+    v = np.asarray(values, dtype=np.float64)
+    return np.digitize(v, np.quantile(v, [1 / 3, 2 / 3]))
 
 
 #: classes of :func:`spectral_index_classes`, in label order
@@ -888,6 +1058,60 @@ def spectral_index_classes(tile: torch.Tensor, band_names: Sequence[str], *, wat
     if w >= shore_fraction:
         return 1
     return 2 if float(ndvi(red, nir).mean()) < dense_ndvi else 3
+
+
+class SampleTileTask(NamedTuple):
+    """The shipped scene as a constructed tile-classification task (:func:`sample_tile_task`)."""
+
+    train: SceneTiles
+    val: SceneTiles
+    #: tiles that neither train nor validate: ``images`` (eval transform), two *other* constructed
+    #: ``labels`` (``texture``: :func:`terciles` of :func:`brightness_cv`; ``moisture``: of
+    #: :func:`mean_ndmi`, from bands B08/B11), 2 spatial ``folds`` (whole blocks), ``split`` (where from)
+    retained: dict
+    #: ``band_stats`` (of the selected bands), the file's pixel ``dtype``, ``pixel_size``, ``n_retained``
+    info: dict
+
+
+def sample_tile_task(*, bands: Sequence[str], tile_size: int, split_block: int, split_every: int,
+                     retained_offset: int | None, mean: Sequence[float] | None = None,
+                     std: Sequence[float] | None = None, train_transform: Callable | None = None,
+                     eval_transform: Callable | None = None) -> SampleTileTask:
+    """The shipped scene's ``tile_size`` tiles of ``bands`` (normalised by ``mean``/``std``, else
+    the scene's own statistics), labelled by :func:`spectral_index_classes` (:data:`INDEX_CLASSES`)
+    and split spatially: tiles in blocks of ``split_block`` x ``split_block`` tiles, block
+    ``(block_row + block_col) % split_every`` 0 validates, ``retained_offset`` is held out of
+    training and validation (None: the retained tiles are the validation tiles), the rest trains.
+    """
+    full = load_scene("sample", bands=None)  # every band: the labels need B03/B04/B08 (and B11)
+    scene = load_scene("sample", bands=bands, mean=mean, std=std)
+    raw = torch.from_numpy(full.raw)
+    ts, blk, every, off = tile_size, split_block, split_every, retained_offset
+
+    def part(r: int, c: int) -> str:
+        k = ((r // ts) // blk + (c // ts) // blk) % every
+        return "val" if k == 0 else "retained" if off is not None and k == off else "train"
+
+    def label(tile: torch.Tensor) -> int:
+        return spectral_index_classes(tile, full.band_names)
+
+    train = SceneTiles(scene.image, ts, transform=train_transform, labels_fn=label, raw=raw,
+                       keep=lambda r, c: part(r, c) == "train")
+    val = SceneTiles(scene.image, ts, transform=eval_transform, labels_fn=label, raw=raw,
+                     keep=lambda r, c: part(r, c) == "val")
+    held = SceneTiles(scene.image, ts, transform=eval_transform,
+                      keep=lambda r, c: part(r, c) == ("retained" if off else "val"))
+    tiles = [raw[:, r:r + ts, c:c + ts] for r, c in held.origins]
+    retained = {
+        "images": torch.stack([held[i] for i in range(len(held))]),
+        "labels": {"texture": terciles([brightness_cv(t, full.band_names) for t in tiles]),
+                   "moisture": terciles([mean_ndmi(t, full.band_names) for t in tiles])},
+        "folds": np.array([((r // ts) // blk) % 2 for r, _ in held.origins]),
+        "split": "retained blocks" if off else "validation blocks",
+    }
+    info = {"band_stats": {"mean": scene.stats.mean, "std": scene.stats.std},
+            "dtype": read_raster(sample_scene_path()).data.dtype.name, "pixel_size": 60.0, "n_retained": len(held)}
+    return SampleTileTask(train, val, retained, info)
 
 
 def sample_scene_path() -> Path:

@@ -16,20 +16,15 @@ those tiles: texture (terciles of the tiles' brightness coefficient of variation
 (terciles of the mean NDMI, from B08/B11, which the RGB model never sees); 2-fold spatial
 cross-validation, the mean accuracy is the summary (chance 1/3).
 
-Apply a model (:func:`predict`, :func:`embed`; ``domainfm predict|embed explora``): a GeoTIFF/JP2
-scene is read through :mod:`domainfm.data_loaders.satellite`, its bands selected, ordered and
-normalised as in training (:func:`inference_settings`), cut into tiles
-(:func:`~domainfm.data_loaders.satellite.tile_origins`) and each tile classified or embedded; class
-ids are stitched into a class-map GeoTIFF with the scene's CRS, transform and size. A missing value
-(the file's nodata, or NaN/inf in a float file) is left out of the statistics and fed as the band
-mean; a pixel missing in every band the model reads is nodata in the map, and a tile with no such
-pixel is skipped. ``--output``, ``--probability`` and ``--plot`` are committed together
-(:func:`domainfm.atomic.atomic_paths`): when one cannot be written, none is left behind.
+Apply a model: :func:`predict` (a class-map GeoTIFF with the scene's CRS, transform and size),
+:func:`embed` (per-tile embeddings) and ``domainfm predict|embed explora``, declared on the shared
+apply layer (:data:`APPLY`); a scene is prepared as in training (:func:`inference_settings`).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,18 +33,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from domainfm.atomic import atomic_paths
-from domainfm.experiment.inference import positive_int  # argparse types
+from domainfm.data_loaders import satellite as S
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
+from domainfm.experiment import apply
 from domainfm.experiment import metrics as M
 from domainfm.experiment.supervised import SupervisedRecipe
 from domainfm.lora.settings import LoraSettings
 from domainfm.models.explora.satmae import freeze_fixed_encodings
 
 __all__ = ["Config", "DataSection", "ClassificationRecipe", "FAMILY", "LABELS_NOTE", "RETAINED", "InferenceSettings",
-           "ClassMap", "build_task", "run", "evaluate", "inference_settings", "predict", "embed", "write_class_map",
-           "write_embeddings", "plot_class_map", "class_map_picture", "retained_knn", "predict_main", "embed_main"]
+           "ApplyOptions", "APPLY", "ClassMap", "build_task", "run", "evaluate", "inference_settings", "predict",
+           "embed", "plot_class_map", "class_map_picture", "retained_knn"]
 
 LABELS_NOTE = (
     "constructed: each 12x12-px (720 m) tile of the shipped Sentinel-2 scene is labelled from spectral indices "
@@ -71,7 +66,8 @@ class DataSection:
     img_size: int = 32
     mean: list[float] | None = None
     std: list[float] | None = None
-    #: sample: tiles in blocks of ``split_block`` x ``split_block`` tiles, every ``split_every``-th diagonal block validates
+    #: sample: tiles in blocks of ``split_block`` x ``split_block`` tiles, every ``split_every``-th
+    #: diagonal block validates
     split_block: int = 4
     split_every: int = 4
     #: sample: blocks with ``(block_row + block_col) % split_every == retained_offset`` are held out of
@@ -115,96 +111,8 @@ class ClassificationRecipe(SupervisedRecipe):
 # ----------------------------------------------------------------------------- data
 
 
-class _Mapped(torch.utils.data.Dataset):
-    """``dataset[indices]`` (all of it when ``indices`` is None) with ``transform`` on the images."""
-
-    def __init__(self, ds, indices, transform):
-        self.dataset, self.indices, self.transform = ds, range(len(ds)) if indices is None else indices, transform
-
-    def __len__(self):
-        return len(self.indices)
-
-    def __getitem__(self, i):
-        x, y = self.dataset[self.indices[i]]
-        return self.transform(x), y
-
-
-def _sample_datasets(data: DataSection, train_tf, eval_tf):
-    """Train / validation / retained tiles of the shipped scene (spatial blocks), the classes, and
-    what predict needs to prepare a scene the same way (statistics, dtype, pixel size)."""
-    from domainfm.data_loaders import satellite as S
-
-    full = S.load_scene("sample", bands=None)  # every band: the labels need B03/B04/B08 (and B11)
-    scene = S.load_scene("sample", bands=data.bands, mean=data.mean, std=data.std)
-    raw = torch.from_numpy(full.raw)
-    ts, blk, every, off = data.tile_size, data.split_block, data.split_every, data.retained_offset
-
-    def part(r: int, c: int) -> str:
-        k = ((r // ts) // blk + (c // ts) // blk) % every
-        return "val" if k == 0 else "retained" if off is not None and k == off else "train"
-
-    label = lambda tile: S.spectral_index_classes(tile, full.band_names)  # noqa: E731
-    train = S.SceneTiles(scene.image, ts, transform=train_tf, labels_fn=label, keep=lambda r, c: part(r, c) == "train",
-                         raw=raw)
-    val = S.SceneTiles(scene.image, ts, transform=eval_tf, labels_fn=label, keep=lambda r, c: part(r, c) == "val", raw=raw)
-    held = S.SceneTiles(scene.image, ts, transform=eval_tf, keep=lambda r, c: part(r, c) == ("retained" if off else "val"))
-    tiles = [raw[:, r:r + ts, c:c + ts] for r, c in held.origins]
-    retained = {
-        "images": torch.stack([held[i] for i in range(len(held))]),
-        "labels": {"texture": _terciles([_texture(t, full.band_names) for t in tiles]),
-                   "moisture": _terciles([_ndmi(t, full.band_names) for t in tiles])},
-        # 2-fold spatial cross-validation: whole blocks on either side
-        "folds": np.array([((r // ts) // blk) % 2 for r, _ in held.origins]),
-        "split": "retained blocks" if off else "validation blocks",
-    }
-    info = {"band_stats": {"mean": scene.stats.mean, "std": scene.stats.std}, "dtype": S.read_raster(
-        S.sample_scene_path()).data.dtype.name, "pixel_size": 60.0, "n_retained": len(held)}
-    return train, val, list(S.INDEX_CLASSES), retained, info
-
-
-def _texture(tile: torch.Tensor, band_names) -> float:
-    """Coefficient of variation of the tile's visible brightness (mean of B02, B03, B04)."""
-    from domainfm.data_loaders import satellite as S
-
-    bright = S.select_bands(tile, band_names, ["B02", "B03", "B04"], source="tile").float().mean(0)
-    return float(bright.std() / bright.mean().clamp_min(1e-6))
-
-
-def _ndmi(tile: torch.Tensor, band_names) -> float:
-    """Mean normalised difference moisture index (B08 - B11) / (B08 + B11)."""
-    from domainfm.data_loaders import satellite as S
-
-    nir, swir = (S.select_bands(tile, band_names, [b], source="tile")[0].float() for b in ("B08", "B11"))
-    return float(((nir - swir) / (nir + swir).clamp_min(1e-6)).mean())
-
-
-def _terciles(values) -> np.ndarray:
-    """0/1/2 by the 1/3 and 2/3 quantiles of ``values``: three balanced constructed classes."""
-    v = np.asarray(values, dtype=np.float64)
-    return np.digitize(v, np.quantile(v, [1 / 3, 2 / 3]))
-
-
-def _file_datasets(data: DataSection, train_tf, eval_tf, seed: int):
-    from domainfm.data_loaders import satellite as S
-
-    if data.mean is None or data.std is None or data.path is None:
-        raise ValueError(f"data.source={data.source!r} needs data.path, data.mean and data.std (per-band statistics)")
-    kw = dict(n_bands=data.n_bands, bands=data.band_indices, stats=S.BandStats(data.mean, data.std))
-    make = S.ImageFolder if data.source == "folder" else S.CsvManifest
-    full = make(data.path, **kw)
-    if data.val_path:
-        val_ds = make(data.val_path, **kw) if data.source == "folder" else make(data.val_path, classes=full.classes, **kw)
-        train_idx = val_idx = None
-    else:
-        order = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed)).tolist()
-        n_val = max(1, int(round(data.val_fraction * len(full))))
-        train_idx, val_idx, val_ds = order[n_val:], order[:n_val], full
-    classes = list(full.classes or range(max(label for _, label in full.samples) + 1))
-    return _Mapped(full, train_idx, train_tf), _Mapped(val_ds, val_idx, eval_tf), [str(c) for c in classes]
-
-
 def _labels(ds) -> list[int]:
-    if isinstance(ds, _Mapped):
+    if isinstance(ds, torch.utils.data.Subset):
         return [int(ds.dataset.samples[i][1]) for i in ds.indices]
     return ds.labels.tolist()
 
@@ -216,7 +124,7 @@ def _file_retained(data: DataSection, val, seed: int) -> dict:
     images = torch.stack([val[i][0] for i in order])
     bright = images.float().mean(1).flatten(1)
     cv = (bright.std(1) / (bright.mean(1).abs() + 1e-6)).numpy()
-    return {"images": images, "labels": {"texture": _terciles(cv)}, "folds": np.arange(len(order)) % 2,
+    return {"images": images, "labels": {"texture": S.terciles(cv)}, "folds": np.arange(len(order)) % 2,
             "split": "validation images"}
 
 
@@ -224,34 +132,31 @@ def build_task(cfg: Config) -> TaskData:
     """The classification task of ``cfg.data``; ``info`` carries the majority-class top-1 on
     validation (the class most frequent in training), the floor any model must beat, and the
     normalisation statistics that ``predict`` reuses; ``extras["retained"]`` the retained tiles."""
-    from domainfm.data_loaders import satellite as S
-
-    train_tf, eval_tf = S.Resize(cfg.data.img_size, flip=True), S.Resize(cfg.data.img_size)
-    if cfg.data.source == "sample":
-        train, val, classes, retained, extra = _sample_datasets(cfg.data, train_tf, eval_tf)
+    d = cfg.data
+    train_tf, eval_tf = S.Resize(d.img_size, flip=True), S.Resize(d.img_size)
+    if d.source == "sample":
+        train, val, retained, extra = S.sample_tile_task(
+            bands=d.bands, mean=d.mean, std=d.std, tile_size=d.tile_size, split_block=d.split_block,
+            split_every=d.split_every, retained_offset=d.retained_offset, train_transform=train_tf,
+            eval_transform=eval_tf)
+        classes = list(S.INDEX_CLASSES)
     else:
-        train, val, classes = _file_datasets(cfg.data, train_tf, eval_tf, cfg.train.seed)
-        retained = _file_retained(cfg.data, val, cfg.train.seed)
-        extra = {"band_stats": {"mean": list(cfg.data.mean), "std": list(cfg.data.std)}}
+        if d.mean is None or d.std is None or d.path is None:
+            raise ValueError(f"data.source={d.source!r} needs data.path, data.mean and data.std (per-band statistics)")
+        train, val, classes = S.labelled_images(
+            d.source, d.path, val_path=d.val_path, val_fraction=d.val_fraction, seed=cfg.train.seed,
+            n_bands=d.n_bands, bands=d.band_indices, stats=S.BandStats(d.mean, d.std), train_transform=train_tf,
+            eval_transform=eval_tf)
+        retained = _file_retained(d, val, cfg.train.seed)
+        extra = {"band_stats": {"mean": list(d.mean), "std": list(d.std)}}
     majority = int(np.bincount(_labels(train)).argmax())
     info = {"classes": classes, "n_train": len(train), "n_val": len(val),
             "majority_class_top1": float(np.mean(np.asarray(_labels(val)) == majority)), **extra}
     return TaskData(train, val, None, task="multiclass", n_outputs=len(classes), info=info,
-                    labels=LABELS_NOTE if cfg.data.source == "sample" else "recorded", extras={"retained": retained})
+                    labels=LABELS_NOTE if d.source == "sample" else "recorded", extras={"retained": retained})
 
 
 # ----------------------------------------------------------------------------- retained capability
-
-
-@torch.no_grad()
-def _pooled(model: nn.Module, images: torch.Tensor, batch_size: int = 128) -> np.ndarray:
-    """Pooled pre-logits features ``(N, num_features)`` (what a linear head would see)."""
-    device = next(model.parameters()).device
-    out = []
-    for i in range(0, len(images), batch_size):
-        x = images[i:i + batch_size].to(device)
-        out.append(model.forward_head(model.forward_features(x), pre_logits=True).float().cpu())
-    return torch.cat(out).numpy()
 
 
 def retained_knn(ctx: ArmContext) -> dict[str, Any]:
@@ -259,8 +164,10 @@ def retained_knn(ctx: ArmContext) -> dict[str, Any]:
     constructed labellings of held-out tiles; 2-fold spatial cross-validation."""
     from sklearn.neighbors import KNeighborsClassifier
 
-    held = ctx.task.extras["retained"]
-    z = _pooled(ctx.model, held["images"])
+    held, model = ctx.task.extras["retained"], ctx.model
+    # pooled pre-logits features (what a linear head would see), in fp32
+    z = apply.Runtime("32-true", next(model.parameters()).device, batch_size=128).batched(
+        lambda x: model.forward_head(model.forward_features(x), pre_logits=True), held["images"]).numpy()
     z = z / np.maximum(np.linalg.norm(z, axis=1, keepdims=True), 1e-12)
     folds = held["folds"]
     out: dict[str, Any] = {}
@@ -293,23 +200,18 @@ def class_map_picture(ctx: ArmContext) -> dict[str, Any]:
     cfg = ctx.cfg
     if cfg.data.source != "sample":
         return {}
-    from domainfm.data_loaders import satellite as S
-
-    settings = InferenceSettings(bands=list(cfg.data.bands), stats=S.BandStats(**ctx.task.info["band_stats"]),
-                                 tile_size=cfg.data.tile_size, img_size=cfg.data.img_size,
-                                 classes=list(ctx.task.info["classes"]), dtype=ctx.task.info.get("dtype"),
-                                 origin="run config")
-    result = predict(S.sample_scene_path(), ctx.model, settings, device=next(ctx.model.parameters()).device)
-    raster = S.read_raster(S.sample_scene_path())
+    result = predict(S.sample_scene_path(), ctx.model, _run_settings(cfg, ctx.task.info),
+                     device=next(ctx.model.parameters()).device)
+    raster, ts = result.raster, result.tile_size
     raw = torch.from_numpy(raster.data.astype(np.float32))
-    reference = S.stitch_tiles(
-        np.array([S.spectral_index_classes(raw[:, r:r + result.tile_size, c:c + result.tile_size], raster.band_names)
-                  for r, c in result.origins]), result.origins, result.classes.shape, result.tile_size,
-        fill=result.nodata)
+    reference = S.stitch_tiles(np.array([S.spectral_index_classes(raw[:, r:r + ts, c:c + ts], raster.band_names)
+                                         for r, c in result.origins]), result.origins, result.classes.shape, ts,
+                               fill=result.nodata)
     path = ctx.run_dir / "class_map.png"
     plot_class_map(result, path, reference=reference,
                    title=f"{ctx.arm}: predicted class map (constructed labels, not ground truth)")
-    root = next((p for p in (ctx.run_dir, *ctx.run_dir.parents[:2]) if (p / "config.yaml").is_file()), ctx.run_dir.parent)
+    root = next((p for p in (ctx.run_dir, *ctx.run_dir.parents[:2]) if (p / "config.yaml").is_file()),
+                ctx.run_dir.parent)
     return {"pictures": {"class_map": str(path.relative_to(root))}}
 
 
@@ -348,12 +250,14 @@ class InferenceSettings:
 
     bands: list[str] | None = None
     band_indices: list[int] | None = None
-    stats: Any = None  # satellite.BandStats | None (None: the scene's own statistics)
+    stats: S.BandStats | None = None  # None: the scene's own statistics
     tile_size: int = 32
     img_size: int = 32
     classes: list[str] | None = None
     dtype: str | None = None
     origin: str = "card"
+    #: what ``--model`` named (the class map's ``model`` tag)
+    model: str | None = None
 
 
 def _model_img_size(model: nn.Module) -> int | None:
@@ -368,33 +272,27 @@ def _n_outputs(model: nn.Module) -> int:
     return int(getattr(head, "out_features", 0) or 0)
 
 
-def inference_settings(model: nn.Module, model_arg: str | os.PathLike | None = None, *,
-                       tile_size: int | None = None) -> InferenceSettings:
-    """The :class:`InferenceSettings` for ``model``: the run's when ``model_arg`` is (or is inside)
-    a run folder, else the model card's. ``tile_size`` overrides the tile side (scene pixels)."""
-    from domainfm.data_loaders import satellite as S
-    from domainfm.experiment.inference import run_config, run_report
+def _run_settings(cfg: Config, data: dict[str, Any]) -> InferenceSettings:
+    """How a run prepared its images: its config and its report's ``data`` (the task's info)."""
+    sample, recorded = cfg.data.source == "sample", data.get("band_stats")
+    if recorded:
+        stats = S.BandStats(list(recorded["mean"]), list(recorded["std"]))
+    elif cfg.data.mean is not None and cfg.data.std is not None:
+        stats = S.BandStats(list(cfg.data.mean), list(cfg.data.std))
+    else:  # a sample run from before band_stats were recorded: its training scene's
+        stats = S.load_scene("sample", bands=cfg.data.bands).stats if sample else None
+    return InferenceSettings(
+        bands=list(cfg.data.bands) if sample else None,
+        band_indices=None if sample or not cfg.data.band_indices else list(cfg.data.band_indices),
+        stats=stats, tile_size=cfg.data.tile_size if sample else cfg.data.img_size, img_size=cfg.data.img_size,
+        classes=[str(c) for c in data["classes"]] if data.get("classes") else None, dtype=data.get("dtype"),
+        origin="run config")
 
-    cfg = run_config(model_arg, Config) if model_arg is not None else None
-    img = _model_img_size(model)
+
+def _settings(ref: apply.ModelRef, model: nn.Module) -> InferenceSettings:
+    cfg, img = ref.run_config(Config), _model_img_size(model)
     if cfg is not None:
-        data = (run_report(model_arg) or {}).get("data", {})
-        recorded = data.get("band_stats")
-        if recorded:
-            stats = S.BandStats(list(recorded["mean"]), list(recorded["std"]))
-        elif cfg.data.mean is not None and cfg.data.std is not None:
-            stats = S.BandStats(list(cfg.data.mean), list(cfg.data.std))
-        elif cfg.data.source == "sample":  # a run from before band_stats were recorded: its training scene's
-            stats = S.load_scene("sample", bands=cfg.data.bands).stats
-        else:
-            stats = None
-        sample = cfg.data.source == "sample"
-        settings = InferenceSettings(
-            bands=list(cfg.data.bands) if sample else None,
-            band_indices=None if sample else (list(cfg.data.band_indices) if cfg.data.band_indices else None),
-            stats=stats, tile_size=cfg.data.tile_size if sample else cfg.data.img_size, img_size=cfg.data.img_size,
-            classes=[str(c) for c in data["classes"]] if data.get("classes") else None,
-            dtype=data.get("dtype"), origin="run config")
+        settings = _run_settings(cfg, (ref.run_report() or {}).get("data", {}))
     else:
         from domainfm.zoo import get_card
 
@@ -410,18 +308,39 @@ def inference_settings(model: nn.Module, model_arg: str | os.PathLike | None = N
         raise ValueError(f"the run's data.img_size={settings.img_size} differs from the model's input size {img}")
     if settings.classes is None:
         settings.classes = [str(i) for i in range(_n_outputs(model))]
+    settings.model = str(ref.arg) if isinstance(ref.arg, (str, os.PathLike)) else None
+    return settings
+
+
+def inference_settings(model: nn.Module, model_arg: str | os.PathLike | None = None, *,
+                       tile_size: int | None = None) -> InferenceSettings:
+    """The :class:`InferenceSettings` for ``model``: the run's when ``model_arg`` is (or is inside)
+    a run folder, else the model card's. ``tile_size`` overrides the tile side (scene pixels)."""
+    settings = _settings(apply.ModelRef.of(model if model_arg is None else model_arg), model)
     if tile_size is not None:
         settings.tile_size = int(tile_size)
     return settings
 
 
 @dataclass
-class ClassMap:
-    """What :func:`predict` returns: the stitched map and the per-tile results behind it."""
+class ApplyOptions:
+    stride: int | None = apply.option(None, "tile step in scene pixels (default the tile size)")
+    tile_size: int | None = apply.option(
+        None, "tile side in scene pixels (default: the run's data.tile_size, or the model's input size)")
+    edge: str = apply.option("shift", "shift: a last tile flush with the bottom/right edge covers the strip the grid "
+                                      "leaves; drop: that strip stays nodata", choices=("shift", "drop"))
+    probability: str | None = apply.option(None, "also write the chosen class's probability (float32 GeoTIFF)",
+                                           output=apply.RASTER, commands=("predict",))
+    plot: str | None = apply.option(None, "also draw the class map beside the RGB scene (PNG)", output=(".png",),
+                                    commands=("predict",))
 
-    #: ``(H, W)`` class ids (uint8, or uint16 beyond 255 classes), ``nodata`` where no tile covers
-    #: and where every band the model reads is missing (the input's nodata, NaN or inf)
-    classes: np.ndarray
+
+@dataclass(kw_only=True)
+class ClassMap(apply.Raster):
+    """What :func:`predict` returns: the stitched map, an :class:`~domainfm.experiment.apply.Raster`
+    (``data``: ``(H, W)`` class ids, also :attr:`classes`; ``profile``: the scene's CRS and
+    transform, the class names in its ``classes`` tag), and the per-tile results behind it."""
+
     #: ``(H, W)`` float32 probability of the chosen class, NaN where ``classes`` is nodata
     probability: np.ndarray
     #: ``(N,)`` class id of each tile, ``(N, K)`` its class probabilities
@@ -430,51 +349,110 @@ class ClassMap:
     origins: list[tuple[int, int]]
     tile_size: int
     class_names: list[str]
+    #: in ``classes`` where no tile covers and where every band the model reads is missing (the
+    #: input's nodata, NaN or inf); the class ids are uint8, or uint16 beyond 255 classes
     nodata: int
-    raster: Any  # satellite.Raster of the input (every band, CRS, transform)
+    raster: S.Raster  # the input as read (every band, CRS, transform)
     settings: InferenceSettings
     precision: str = "32-true"
 
+    @property
+    def classes(self) -> np.ndarray:
+        return self.data
 
-def _prepare(path, model: nn.Module, settings: InferenceSettings | None, *, stride: int | None, edge: str):
-    from domainfm.data_loaders import satellite as S
 
-    settings = settings or inference_settings(model)
+@dataclass
+class _Tiles:
+    scene: S.ModelInput
+    origins: list[tuple[int, int]]
+    settings: InferenceSettings
+    source: str
+
+
+def _read(path, settings: InferenceSettings, options: ApplyOptions | None) -> _Tiles:
+    options = options or ApplyOptions()
+    if options.tile_size is not None:
+        settings = dataclasses.replace(settings, tile_size=int(options.tile_size))
     scene = S.read_scene_for_model(path, bands=settings.bands, band_indices=settings.band_indices,
                                    stats=settings.stats, dtype=settings.dtype)
-    n_model = getattr(model, "domainfm_kwargs", {}).get("in_chans")
-    if n_model is not None and scene.image.shape[0] != int(n_model):
-        raise S.SatelliteDataError(f"{path}: {scene.image.shape[0]} bands {scene.bands} selected but the model takes "
-                                   f"{n_model} bands")
-    _, height, width = scene.image.shape
-    ts = settings.tile_size
-    origins = S.tile_origins(height, width, ts, stride, edge=edge, source=str(path))
-    if not scene.valid.all():  # a tile with no valid pixel is not classified
-        origins = [(r, c) for r, c in origins if scene.valid[r:r + ts, c:c + ts].any()]
-        if not origins:
-            raise S.SatelliteDataError(f"{path}: no {ts} x {ts} tile (edge={edge!r}) covers a pixel with data in bands "
-                                       f"{scene.bands}; the others are nodata ({scene.raster.nodata}), NaN or inf")
-    return settings, scene, origins
+    origins = S.tiles_with_data(scene, settings.tile_size, options.stride, edge=options.edge, source=str(path))
+    return _Tiles(scene, origins, settings, str(path))
 
 
-@torch.no_grad()
-def _apply(model: nn.Module, image: torch.Tensor, origins, settings: InferenceSettings, what: str, precision: str,
-           device, batch_size: int) -> tuple[np.ndarray, str]:
-    """Logits or pooled embeddings of each tile ``(N, K|D)``, in float32."""
-    from domainfm.data_loaders.satellite import Resize
-    from domainfm.precision import autocast
+def _forward(data: _Tiles, model: nn.Module, run: apply.Runtime, *, pre_logits: bool) -> torch.Tensor:
+    """Logits (or pooled embeddings) of each tile ``(N, K|D)``, float32."""
+    image, n_model = data.scene.image, getattr(model, "domainfm_kwargs", {}).get("in_chans")
+    if n_model is not None and image.shape[0] != int(n_model):
+        raise S.SatelliteDataError(f"{data.source}: {image.shape[0]} bands {data.scene.bands} selected but the "
+                                   f"model takes {n_model} bands")
+    # the same per-tile bilinear (antialiased) resize as the fine-tuning's evaluation transform
+    resize, ts = S.Resize(data.settings.img_size), data.settings.tile_size
 
-    resize, ts = Resize(settings.img_size), settings.tile_size
-    model.eval()
-    out, resolved = [], "32-true"
-    for i in range(0, len(origins), batch_size):
-        # the same per-tile bilinear (antialiased) resize as the fine-tuning's evaluation transform
-        x = torch.stack([resize(image[:, r:r + ts, c:c + ts]) for r, c in origins[i:i + batch_size]]).to(device)
-        with autocast(precision, device) as resolved:
-            y = model.forward_features(x)
-            y = model.forward_head(y, pre_logits=what == "embed")
-        out.append(y.float().cpu())
-    return torch.cat(out).numpy(), resolved
+    def tiles(origins: torch.Tensor) -> torch.Tensor:
+        x = torch.stack([resize(image[:, r:r + ts, c:c + ts]) for r, c in origins.tolist()]).to(run.device)
+        return model.forward_head(model.forward_features(x), pre_logits=pre_logits)
+
+    return run.batched(tiles, torch.tensor(data.origins, dtype=torch.long))
+
+
+def _predict(data: _Tiles, model: nn.Module, settings, options: ApplyOptions | None,
+             run: apply.Runtime) -> apply.Output:
+    from domainfm.precision import resolve_precision
+
+    options, s, r = options or ApplyOptions(), data.settings, data.scene.raster
+    probs = torch.softmax(_forward(data, model, run, pre_logits=False), dim=-1).numpy()
+    names = list(s.classes or [str(i) for i in range(probs.shape[1])])
+    tile_classes, nodata = probs.argmax(-1), 255 if len(names) < 255 else 65535
+    shape, invalid = data.scene.image.shape[1:], ~data.scene.valid
+    classes = S.stitch_tiles(tile_classes.astype(np.uint8 if nodata == 255 else np.uint16), data.origins, shape,
+                             s.tile_size, fill=nodata)
+    probability = S.stitch_tiles(probs.max(-1).astype(np.float32), data.origins, shape, s.tile_size, fill=np.nan)
+    classes[invalid], probability[invalid] = nodata, np.nan
+    precision = resolve_precision(run.precision, run.device)
+    tags = {"classes": json.dumps(names), "tile_size": s.tile_size, "settings": s.origin, "precision": precision,
+            **({"model": s.model} if s.model else {})}
+    grid = dict(transform=r.transform, crs=r.crs, tags=tags)
+    result = ClassMap(classes, S.geotiff_profile(dtype=classes.dtype, nodata=nodata, band_names=["class"], **grid),
+                      probability=probability, tile_classes=tile_classes, tile_probabilities=probs,
+                      origins=data.origins, tile_size=s.tile_size, class_names=names, nodata=nodata, raster=r,
+                      settings=s, precision=precision)
+    extras: dict[str, Any] = {}
+    if options.probability:
+        extras["probability"] = apply.Raster(probability[None], S.geotiff_profile(
+            dtype=np.float32, nodata=float("nan"), band_names=["max_probability"], **grid))
+    if options.plot:
+        extras["plot"] = plot_class_map(result, title=f"{Path(data.source).name}: {Path(s.model or '?').name}")
+    counts = np.bincount(tile_classes, minlength=len(names))
+    return apply.Output(result, extras, f"{len(data.origins)} tiles of {s.tile_size} px ({precision}); "
+                        + ", ".join(f"{n}: {c}" for n, c in zip(names, counts)))
+
+
+def _embed(data: _Tiles, model: nn.Module, settings, options, run: apply.Runtime) -> apply.Output:
+    z = _forward(data, model, run, pre_logits=True).numpy()
+    ts, r = data.settings.tile_size, data.scene.raster
+    rows, cols = np.array([o[0] for o in data.origins]), np.array([o[1] for o in data.origins])
+    out = {"embeddings": z, "row": rows, "col": cols,
+           "tile_row": np.unique(rows, return_inverse=True)[1], "tile_col": np.unique(cols, return_inverse=True)[1],
+           "bounds": S.tile_bounds(r.transform, data.origins, ts), "crs": np.array(r.crs.to_wkt() if r.crs else ""),
+           "transform": np.array(tuple(r.transform)[:6], dtype=np.float64), "tile_size": np.array(ts),
+           "bands": np.array(data.scene.bands)}
+    return apply.Output(out, summary=f"{z.shape[0]} tiles x {z.shape[1]}")
+
+
+APPLY = apply.Applier(
+    family="explora",
+    input="a GeoTIFF/JP2 scene",
+    description="Bands, normalisation and tile size are the run's (a run folder) or the model card's (a name or "
+                "model folder).",
+    read=_read, settings=_settings, options=ApplyOptions, batch_size=256,
+    has_head=lambda model: _n_outputs(model) > 0,
+    predict=apply.Command(_predict, apply.RASTER, needs_head=True,
+                          what="Classify the tiles of a GeoTIFF/JP2 scene and write a class-map GeoTIFF with the "
+                               "scene's CRS, transform and size."),
+    embed=apply.Command(_embed, apply.ARRAYS,
+                        what="Per-tile embeddings of a GeoTIFF/JP2 scene (.npz: embeddings, row, col, tile_row, "
+                             "tile_col, bounds, crs, transform, tile_size, bands)."),
+)
 
 
 def predict(path: str | os.PathLike, model: nn.Module, settings: InferenceSettings | None = None, *,
@@ -482,39 +460,22 @@ def predict(path: str | os.PathLike, model: nn.Module, settings: InferenceSettin
             batch_size: int = 256) -> ClassMap:
     """Classify every tile of a GeoTIFF/JP2 scene and stitch the class ids into a map.
 
-    Tiles are ``settings.tile_size`` scene pixels every ``stride`` (default the tile size);
-    ``edge="shift"`` adds a last tile flush with the bottom/right edge so that every pixel is
-    covered, ``edge="drop"`` leaves that strip as nodata. Where tiles overlap each pixel takes the
-    class of the covering tile whose centre is nearest
-    (:func:`~domainfm.data_loaders.satellite.stitch_tiles`). A pixel missing in every band the
-    model reads (the file's nodata value, NaN or inf) stays nodata; a missing value is left out of
-    the scene's statistics and fed to the model as the band mean
+    Tiles are ``settings.tile_size`` scene pixels (default :func:`inference_settings` of
+    ``model``) every ``stride`` (default the tile size); ``edge="shift"`` adds a last tile flush
+    with the bottom/right edge so that every pixel is covered, ``edge="drop"`` leaves that strip
+    as nodata. Where tiles overlap each pixel takes the class of the covering tile whose centre is
+    nearest (:func:`~domainfm.data_loaders.satellite.stitch_tiles`). A pixel missing in every band
+    the model reads (the file's nodata value, NaN or inf) stays nodata; a missing value is left
+    out of the scene's statistics and fed to the model as the band mean
     (:func:`~domainfm.data_loaders.satellite.read_scene_for_model`).
 
-    Precision: ``auto`` is bf16 autocast where the device multiplies bf16 natively (this CPU
-    included), fp32 elsewhere. Measured on the shipped scene (729 tiles) with the embedded
-    default's fine-tuned test-sized model: bf16 moved a tile's class probability by at most 0.0013
-    (mean 0.0002) and changed no tile's class; pooled embeddings moved by at most 0.2 % of their
-    largest value. The documented (and tested) tolerance: probabilities within 0.05 of fp32 and
-    at least 97 % of tiles of the same class. Use ``precision="32-true"`` for fp32 maps.
+    Precision: ``auto`` is bf16 autocast where the device multiplies bf16 natively, fp32
+    elsewhere. The documented (and tested) tolerance: probabilities within 0.05 of fp32 and at
+    least 97 % of tiles of the same class (measured: benchmarks/README.md). Use
+    ``precision="32-true"`` for fp32 maps.
     """
-    from domainfm.data_loaders import satellite as S
-
-    settings, scene, origins = _prepare(path, model, settings, stride=stride, edge=edge)
-    if not settings.classes:
-        raise S.SatelliteDataError("predict: the model has no classification head (n_outputs=0); use embed")
-    logits, resolved = _apply(model, scene.image, origins, settings, "predict", precision, device, batch_size)
-    probs = torch.softmax(torch.from_numpy(logits), dim=-1).numpy()
-    tile_classes = probs.argmax(-1)
-    nodata = 255 if len(settings.classes) < 255 else 65535
-    dtype = np.uint8 if nodata == 255 else np.uint16
-    shape = scene.image.shape[1:]
-    classes = S.stitch_tiles(tile_classes.astype(dtype), origins, shape, settings.tile_size, fill=nodata)
-    probability = S.stitch_tiles(probs.max(-1).astype(np.float32), origins, shape, settings.tile_size, fill=np.nan)
-    invalid = ~scene.valid
-    classes[invalid], probability[invalid] = nodata, np.nan
-    return ClassMap(classes, probability, tile_classes, probs, origins, settings.tile_size, list(settings.classes),
-                    nodata, scene.raster, settings, resolved)
+    return apply.run("predict", APPLY, model, path, settings=settings, precision=precision, device=device,
+                     batch_size=batch_size, options=ApplyOptions(stride=stride, edge=edge)).value
 
 
 def embed(path: str | os.PathLike, model: nn.Module, settings: InferenceSettings | None = None, *,
@@ -527,185 +488,22 @@ def embed(path: str | os.PathLike, model: nn.Module, settings: InferenceSettings
     top in the scene's CRS), ``crs`` (WKT), ``transform`` (the scene's affine, 6 numbers),
     ``tile_size``, ``bands``.
     """
-    settings, scene, origins = _prepare(path, model, settings, stride=stride, edge=edge)
-    z, _ = _apply(model, scene.image, origins, settings, "embed", precision, device, batch_size)
-    ts, transform = settings.tile_size, scene.raster.transform
-    rows, cols = np.array([o[0] for o in origins]), np.array([o[1] for o in origins])
-    a, b, c0, d, e, f = tuple(transform)[:6]
-    # the four corners of each tile through the affine (rotated grids included), then their extent
-    cr = np.stack([(cols + dc, rows + dr) for dc in (0, ts) for dr in (0, ts)])  # (4, 2, N)
-    xs, ys = a * cr[:, 0] + b * cr[:, 1] + c0, d * cr[:, 0] + e * cr[:, 1] + f
-    return {"embeddings": z.astype(np.float32), "row": rows, "col": cols,
-            "tile_row": np.unique(rows, return_inverse=True)[1], "tile_col": np.unique(cols, return_inverse=True)[1],
-            "bounds": np.stack([xs.min(0), ys.min(0), xs.max(0), ys.max(0)], 1).astype(np.float64),
-            "crs": np.array(scene.raster.crs.to_wkt() if scene.raster.crs else ""),
-            "transform": np.array(tuple(transform)[:6], dtype=np.float64), "tile_size": np.array(ts),
-            "bands": np.array(scene.bands)}
+    return apply.run("embed", APPLY, model, path, settings=settings, precision=precision, device=device,
+                     batch_size=batch_size, options=ApplyOptions(stride=stride, edge=edge)).value
 
 
-def write_class_map(result: ClassMap, path: str | os.PathLike, *, probability_path: str | os.PathLike | None = None,
-                    model_name: str | None = None) -> Path:
-    """The class map as a one-band GeoTIFF with the input's CRS, transform and size (atomic;
-    class names in the ``classes`` tag, JSON), and optionally the probability map beside it."""
-    import json
-
-    from domainfm.data_loaders import satellite as S
-
-    r = result.raster
-    tags = {"classes": json.dumps(result.class_names), "tile_size": result.tile_size,
-            "settings": result.settings.origin, "precision": result.precision}
-    if model_name:
-        tags["model"] = model_name
-    out = S.write_geotiff(path, result.classes[None], transform=r.transform, crs=r.crs, band_names=["class"],
-                          nodata=result.nodata, tags=tags)
-    if probability_path is not None:
-        S.write_geotiff(probability_path, result.probability[None], transform=r.transform, crs=r.crs,
-                        band_names=["max_probability"], nodata=float("nan"), tags=tags)
-    return out
-
-
-def write_embeddings(result: dict[str, Any], path: str | os.PathLike) -> Path:
+def plot_class_map(result: ClassMap, path: str | os.PathLike | None = None, *, reference: np.ndarray | None = None,
+                   title: str | None = None):
+    """The scene's RGB beside the predicted class map (and ``reference`` labels if given)
+    (:func:`~domainfm.data_loaders.satellite.class_map_figure`); with ``path``, written there as
+    PNG (atomic) and released."""
     from domainfm.atomic import atomic_path
 
-    with atomic_path(path, suffix=".npz") as tmp:
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **result)
-    return Path(path)
-
-
-def _rgb(raster) -> np.ndarray:
-    """``(H, W, 3)`` in [0, 1] from the raster's red/green/blue bands (2-98 % stretch per band);
-    a file without them shows its first band in grey."""
-    from domainfm.data_loaders import satellite as S
-
-    try:
-        raw = raster.data[S.match_bands(raster.band_names, ["red", "green", "blue"])]
-    except S.SatelliteDataError:
-        raw = np.repeat(raster.data[:1], 3, axis=0)
-    bands = raw.astype(np.float32)
-    valid = np.where(S.missing_values(raw, raster.nodata) | ~np.isfinite(bands), np.nan, bands)
-    lo, hi = np.nanpercentile(valid, 2, axis=(1, 2)), np.nanpercentile(valid, 98, axis=(1, 2))
-    out = (bands - lo[:, None, None]) / np.maximum(hi - lo, 1e-6)[:, None, None]
-    return np.nan_to_num(np.clip(out, 0, 1)).transpose(1, 2, 0)
-
-
-def plot_class_map(result: ClassMap, path: str | os.PathLike, *, reference: np.ndarray | None = None,
-                   title: str | None = None) -> Path:
-    """The scene's RGB beside the predicted class map (and ``reference`` labels if given), PNG
-    written atomically (matplotlib Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import BoundaryNorm, ListedColormap
-    from matplotlib.patches import Patch
-
-    from domainfm.atomic import atomic_path
-
-    k = len(result.class_names)
-    colours = plt.get_cmap("tab10" if k <= 10 else "tab20")(np.arange(k) % (10 if k <= 10 else 20))
-    cmap = ListedColormap(colours)
-    norm = BoundaryNorm(np.arange(k + 1) - 0.5, k)
-    panels = [("scene (RGB)", None), ("predicted classes", result.classes)]
-    if reference is not None:
-        panels.append(("reference labels", reference))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.6), constrained_layout=True)
-    for ax, (name, data) in zip(axes, panels):
-        if data is None:
-            ax.imshow(_rgb(result.raster))
-        else:
-            ax.imshow(np.ma.masked_equal(data, result.nodata), cmap=cmap, norm=norm, interpolation="nearest")
-        ax.set_title(name)
-        ax.set_xticks([]), ax.set_yticks([])
-    fig.legend(handles=[Patch(color=colours[i], label=n) for i, n in enumerate(result.class_names)],
-               loc="lower center", ncol=min(k, 5), bbox_to_anchor=(0.5, -0.02), frameon=False)
-    if title:
-        fig.suptitle(title)
-    fig.get_layout_engine().set(rect=(0, 0.06, 1, 0.94))
+    fig = S.class_map_figure(result.raster, result.classes, result.class_names, nodata=result.nodata,
+                             reference=reference, title=title)
+    if path is None:
+        return fig
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, format="png", dpi=90)
-    plt.close(fig)
+    fig.clf()
     return Path(path)
-
-
-def _parse(command: str, argv: list[str]):
-    import argparse
-
-    from domainfm.experiment.inference import add_model_arguments
-
-    parser = argparse.ArgumentParser(
-        prog=f"domainfm {command} explora",
-        description=("Classify the tiles of a GeoTIFF/JP2 scene and write a class-map GeoTIFF with the scene's "
-                     "CRS, transform and size" if command == "predict" else
-                     "Per-tile embeddings of a GeoTIFF/JP2 scene (.npz: embeddings, row, col, bounds, crs, transform)")
-        + ". Bands, normalisation and tile size are the run's (a run folder) or the model card's (a name).")
-    add_model_arguments(parser)
-    parser.add_argument("--stride", type=positive_int, default=None, help="tile step in scene pixels (default the tile size)")
-    parser.add_argument("--tile-size", type=positive_int, default=None,
-                        help="tile side in scene pixels (default: the run's data.tile_size, or the model's input size)")
-    parser.add_argument("--edge", choices=("shift", "drop"), default="shift",
-                        help="shift: a last tile flush with the bottom/right edge covers the strip the grid leaves; "
-                             "drop: that strip stays nodata")
-    parser.add_argument("--batch-size", type=positive_int, default=256)
-    if command == "predict":
-        parser.add_argument("--probability", default=None, help="also write the chosen class's probability (float32 GeoTIFF)")
-        parser.add_argument("--plot", default=None, help="also draw the class map beside the RGB scene (PNG)")
-    return parser.parse_args(argv)
-
-
-def _check_outputs(outputs: dict[str, str | None]) -> None:
-    """Refuse, before any work, an output path that can never be written: an existing folder, or a
-    path under a file (``--option`` -> path; None is an output not asked for)."""
-    from domainfm.errors import InputError
-
-    for option, path in outputs.items():
-        if path is None:
-            continue
-        target = Path(path)
-        if target.is_dir():
-            raise InputError(f"{option} {target}: is a folder; give a file name")
-        blocking = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
-        if blocking is not None:
-            raise InputError(f"{option} {target}: {blocking} is a file, not a folder")
-
-
-def _load(args):
-    from domainfm.experiment.inference import load_model
-
-    model = load_model(args.model, arm=args.arm, pretrained=args.pretrained).to(args.device)
-    return model, inference_settings(model, args.model, tile_size=args.tile_size)
-
-
-def predict_main(argv: list[str]) -> int:
-    """``domainfm predict explora --model RUN_OR_MODEL --input scene.tif --output classmap.tif``."""
-    args = _parse("predict", argv)
-    _check_outputs({"--output": args.output, "--probability": args.probability, "--plot": args.plot})
-    model, settings = _load(args)
-    if not settings.classes:
-        print(f"domainfm predict explora: error: {args.model} has no classification head; use `domainfm embed explora`",
-              file=sys.stderr)
-        return 2
-    result = predict(args.input, model, settings, stride=args.stride, edge=args.edge, precision=args.precision,
-                     device=args.device, batch_size=args.batch_size)
-    # written to temporaries and renamed together: an unwritable --plot leaves no class map behind
-    with atomic_paths(args.output, args.probability, args.plot) as (output, probability, plot):
-        write_class_map(result, output, probability_path=probability, model_name=str(args.model))
-        if plot is not None:
-            plot_class_map(result, plot, title=f"{Path(args.input).name}: {Path(str(args.model)).name}")
-    counts = np.bincount(result.tile_classes, minlength=len(result.class_names))
-    print(f"predict explora: {len(result.origins)} tiles of {result.tile_size} px ({result.precision}) -> {args.output}; "
-          + ", ".join(f"{n}: {c}" for n, c in zip(result.class_names, counts)))
-    return 0
-
-
-def embed_main(argv: list[str]) -> int:
-    """``domainfm embed explora --model RUN_OR_MODEL --input scene.tif --output tiles.npz``."""
-    args = _parse("embed", argv)
-    _check_outputs({"--output": args.output})
-    model, settings = _load(args)
-    result = embed(args.input, model, settings, stride=args.stride, edge=args.edge, precision=args.precision,
-                   device=args.device, batch_size=args.batch_size)
-    write_embeddings(result, args.output)
-    z = result["embeddings"]
-    print(f"embed explora: {z.shape[0]} tiles x {z.shape[1]} -> {args.output}")
-    return 0

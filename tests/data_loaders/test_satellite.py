@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-rasterio = pytest.importorskip("rasterio")
+import rasterio  # noqa: E402
 from rasterio.transform import from_origin  # noqa: E402
 
 from domainfm.data_loaders import satellite as S  # noqa: E402

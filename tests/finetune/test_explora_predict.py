@@ -9,15 +9,14 @@ import json
 
 import numpy as np
 import pytest
+import rasterio
 import torch
 import torch.nn.functional as TF
 
-rasterio = pytest.importorskip("rasterio")
-
-from domainfm import create_model  # noqa: E402
-from domainfm.cli import main  # noqa: E402
-from domainfm.data_loaders import satellite as S  # noqa: E402
-from domainfm.finetune import explora as F  # noqa: E402
+from domainfm import create_model
+from domainfm.cli import main
+from domainfm.data_loaders import satellite as S
+from domainfm.finetune import explora as F
 
 SCENE = S.sample_scene_path()
 TINY = ["stages=[]", "arms=[random]", "train.max_epochs=1", "train.max_steps=4", "train.batch_size=64",

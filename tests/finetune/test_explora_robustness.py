@@ -7,15 +7,15 @@ import re
 
 import numpy as np
 import pytest
+import rasterio
 import torch
+from rasterio.transform import from_origin
 
-rasterio = pytest.importorskip("rasterio")
-from rasterio.transform import from_origin  # noqa: E402
-
-from domainfm import create_model, save_pretrained  # noqa: E402
-from domainfm.cli import main  # noqa: E402
-from domainfm.data_loaders import satellite as S  # noqa: E402
-from domainfm.finetune import explora as F  # noqa: E402
+from domainfm import create_model, save_pretrained
+from domainfm.cli import main
+from domainfm.data_loaders import satellite as S
+from domainfm.experiment import apply as layer
+from domainfm.finetune import explora as F
 
 TRANSFORM = from_origin(435730, 4179460, 60, 60)
 RGB = ["B04", "B03", "B02"]
@@ -135,25 +135,25 @@ def test_a_raster_too_large_to_read_is_refused_before_reading_it(model_dir, tmp_
 def test_an_unwritable_second_output_leaves_no_output_behind(model_dir, tmp_path, capsys, monkeypatch, unwritable):
     scene = _write(tmp_path / "scene.tif", np.full((3, 40, 40), 900, np.uint16))
     (tmp_path / "a_file").write_text("not a folder")
-    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "a_folder.png").mkdir()  # a folder with the right extension: only its being a folder is wrong
     out, prob, png = tmp_path / "classes.tif", tmp_path / "prob.tif", tmp_path / "map.png"
     words = []
     if unwritable == "plot_under_a_file":
         png, words = tmp_path / "a_file" / "map.png", ["--plot", "a_file is a file"]
     elif unwritable == "plot_is_a_folder":
-        png, words = tmp_path / "a_folder", ["--plot", "is a folder"]
+        png, words = tmp_path / "a_folder.png", ["--plot", "is a folder"]
     elif unwritable == "probability_under_a_file":
         prob, words = tmp_path / "a_file" / "prob.tif", ["--probability", "a_file is a file"]
     else:  # the disk fills up while the probability map or the picture is written, after the class map
-        def full_disk(path):
-            raise OSError(28, "No space left on device", str(path))
+        failing = ".map.png" if unwritable == "plot_write_fails" else ".prob.tif"
+        real = layer.write
 
-        if unwritable == "plot_write_fails":
-            monkeypatch.setattr(F, "plot_class_map", lambda result, path, **kw: full_disk(path))
-        else:
-            real = S.write_geotiff
-            monkeypatch.setattr(S, "write_geotiff", lambda path, data, **kw: full_disk(path) if kw.get(
-                "band_names") == ["max_probability"] else real(path, data, **kw))
+        def full_disk(value, path):  # the layer writes every output to a temporary named after its target
+            if path.name.startswith(failing):
+                raise OSError(28, "No space left on device", str(path))
+            real(value, path)
+
+        monkeypatch.setattr(layer, "write", full_disk)
         words = ["No space left on device"]
     argv = ["predict", "explora", "--model", str(model_dir), "--input", str(scene), "--output", str(out),
             "--probability", str(prob), "--plot", str(png)]
