@@ -9,7 +9,8 @@ One idea per module (PyG's layout):
 * :mod:`.datasets`: :class:`GraphDataset`, the shipped graphs, TUDataset / ``.npz`` / PyG loaders,
   link-prediction splits;
 * :mod:`.files`: :func:`read_graph` (a ``torch.save``'d PyG ``Data``, read weights-only with
-  PyG's classes allow-listed; a ``.npz``; a shipped graph's name), :func:`read_ids`;
+  PyG's classes allow-listed; a ``.npz``; a shipped graph's name), :func:`read_ids`,
+  :func:`select_tasks` (the tasks a model is applied to);
 * task-trees (:class:`TaskTreeBatch`, :func:`build_task_trees`, :func:`merge_task_trees`,
   :class:`PretrainTaskTable`) live beside GIT's model in :mod:`domainfm.models.git.task_trees`,
   with their numba kernels, and are re-exported here.
@@ -43,7 +44,7 @@ from .datasets import (
     load_tu_dataset,
     shipped_texts,
 )
-from .files import graph_from_pyg, pyg_safe_globals, read_graph, read_ids, read_pyg_file
+from .files import graph_from_pyg, pyg_safe_globals, read_graph, read_ids, read_pyg_file, select_tasks
 from .sampling import CSR, build_csr, sample_neighbors
 from .text import (
     MINILM,
@@ -88,6 +89,7 @@ __all__ = [
     "read_graph",
     "read_ids",
     "read_pyg_file",
+    "select_tasks",
     "pyg_safe_globals",
     "link_prediction_split",
     "merge_task_trees",

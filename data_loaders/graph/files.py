@@ -20,9 +20,9 @@ from torch import Tensor
 
 from .datasets import SHIPPED_DATASETS, GraphDataset, load_dataset, load_graph_dir
 from .text import TextEncoder
-from .validation import GraphError, check_graph
+from .validation import TASKS, GraphError, check_graph
 
-__all__ = ["read_graph", "read_pyg_file", "pyg_safe_globals", "graph_from_pyg", "read_ids"]
+__all__ = ["read_graph", "read_pyg_file", "pyg_safe_globals", "graph_from_pyg", "read_ids", "select_tasks"]
 
 
 def pyg_safe_globals() -> list[type]:
@@ -204,3 +204,67 @@ def read_ids(path: str | os.PathLike, *, columns: int | None = None) -> Tensor:
     if t.ndim == 2 and t.shape[0] == 2:
         return t
     raise GraphError(f"{path}: expected node pairs, shape (B, 2) or (2, B); got {tuple(t.shape)}")
+
+
+def _unordered_edges(edge_index: Tensor) -> Tensor:
+    pairs = torch.sort(edge_index, dim=0).values
+    return torch.unique(pairs, dim=1) if pairs.numel() else pairs
+
+
+def select_tasks(ds: GraphDataset, task: str, *, index: Tensor | None = None, split: str | None = None,
+                 label: str | None = None) -> GraphDataset:
+    """``ds`` holding only the ``task`` tasks (``node`` | ``edge`` | ``graph``) a model is applied
+    to, unlabelled (``y = -1``).
+
+    Args:
+        index: (B,) node or graph ids, a boolean mask over nodes or graphs, or (2, B) node pairs.
+            Default: every node; every graph; for edges, the graph's own edge tasks when it is an
+            edge dataset (e.g. Nations' triples), else every distinct unordered edge ``u <= v``
+            of ``edge_index`` once.
+        split: instead of ``index``: the graph's ``train``/``val``/``test`` tasks.
+        label: names the graph in errors (default ``ds.name``).
+    """
+    label = label or ds.name
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: expected one of {TASKS}")
+    n = ds.x.shape[0]
+    ptr = ds.ptr if ds.ptr is not None else torch.tensor([0, n])
+    n_graphs = ptr.numel() - 1
+    if split is not None:
+        if index is not None:
+            raise ValueError("give index or split, not both")
+        if split not in ds.splits:
+            raise GraphError(f"{label}: no split {split!r} (has {sorted(ds.splits) or 'none'})")
+        if ds.task != task:
+            raise GraphError(f"{label}: its splits hold {ds.task} tasks, not {task} tasks")
+        tasks = ds.task_index[..., ds.splits[split]]
+    elif index is not None:
+        index = torch.as_tensor(index)
+        if index.dtype == torch.bool:
+            size = {"node": n, "graph": n_graphs}.get(task)
+            if size is None or index.ndim != 1 or index.numel() != size:
+                raise GraphError(f"{label}: a boolean mask selects nodes or graphs: expected {size} entries for "
+                                 f"{task} tasks, got {tuple(index.shape)}")
+            index = index.nonzero().flatten()
+        tasks = index.long()
+        if task == "edge" and (tasks.ndim != 2 or tasks.shape[0] != 2):
+            raise GraphError(f"{label}: edge tasks need node pairs of shape (2, B), got {tuple(tasks.shape)}")
+        if task != "edge" and tasks.ndim != 1:
+            raise GraphError(f"{label}: {task} tasks need ids of shape (B,), got {tuple(tasks.shape)}")
+        bound = n_graphs if task == "graph" else n
+        if tasks.numel() and (int(tasks.min()) < 0 or int(tasks.max()) >= bound):
+            bad = int(tasks.max()) if int(tasks.max()) >= bound else int(tasks.min())
+            raise GraphError(f"{label}: {task} id {bad} is outside [0, {bound})")
+    elif task == "node":
+        tasks = torch.arange(n)
+    elif task == "graph":
+        tasks = torch.arange(n_graphs)
+    elif ds.task == "edge":
+        tasks = ds.task_index
+    else:
+        tasks = _unordered_edges(ds.edge_index)
+    b = tasks.shape[-1]
+    return GraphDataset(name=ds.name, task=task, x=ds.x, edge_index=ds.edge_index, task_index=tasks,
+                        y=torch.full((b,), -1, dtype=torch.long), splits={}, class_texts=[],
+                        class_emb=ds.x.new_zeros(0, ds.num_features), labels="none", encoder=ds.encoder,
+                        edge_attr=ds.edge_attr, ptr=ptr if task == "graph" else ds.ptr, _csr=ds._csr)

@@ -87,9 +87,12 @@ def test_pretrain_cli_runs_and_writes_encoder(tmp_path):
     report = json.loads((run / "report.json").read_text())
     assert report["steps"] == 3 and report["init"] == "random" and report["tasks"] == 34 + 156 + 14 + 182
     assert report["task_mix"] == {"karate/node": 34, "karate/edge": 156, "nations/node": 14, "nations/edge": 182}
-    assert math.isfinite(report["final_loss"]) and report["final_align_reg"] >= 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r.get("split") == "train"] == [1, 2, 3]
+    train = [r for r in records if r.get("split") == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    # paired: the objective fell below its value at the first step (2.10 -> 1.46 on this CPU in bf16)
+    assert report["final_loss"] == pytest.approx(train[-1]["loss"]) and train[-1]["loss"] < 0.9 * train[0]["loss"]
+    assert report["final_align_reg"] == pytest.approx(train[-1]["align_reg"]) and report["final_align_reg"] >= 0
     encoder = create_model(report["encoder_dir"])
     assert encoder.in_channels == 384 and encoder.hidden_channels == 16
     fresh = create_model("git-test", in_channels=384, n_outputs=0)
