@@ -22,6 +22,10 @@ The pipeline of SToFM (ICML 2025; official code github.com/PharMolix/SToFM, ``pr
    embeddings, each cluster a hypernode at its mean position with its mean embedding. Every
    sub-slice is ``[CLS]`` + all hypernodes + its cells, with kNN distances.
 5. :func:`collate_subslices` pads a batch with token type 3.
+
+Per-cell tasks and outputs: :func:`read_cells` (a slice whose ``obs_names`` key an output),
+:func:`check_key_added` (an ``obsm`` output slot), :func:`obs_labels`, :func:`stratified_split`,
+:class:`CellTaskDataset`, and the baselines' :func:`expression_baselines` / :func:`leiden_clusters`.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import scipy.sparse as sp
 import torch
 
 __all__ = ["SpatialDataError", "GeneVocabulary", "samples_dir", "read_spatial", "read_visium", "read_h5ad", "validate",
-           "check_unique_obs_names",
+           "check_unique_obs_names", "read_cells", "check_key_added", "obs_labels", "stratified_split",
+           "leiden_clusters", "expression_baselines", "CellTaskDataset",
            "normalize_coordinates", "gene_ensembl_ids", "tokenize", "TokenizedCells", "split_micro",
            "hypernodes", "subslice_distances", "build_subslices", "collate_subslices", "SubsliceDataset",
            "PAD_ID", "MASK_ID", "CLS_ID", "MAX_LENGTH", "TOKEN_CELL", "TOKEN_CLS", "TOKEN_HYPERNODE", "TOKEN_PAD",
@@ -172,17 +177,50 @@ def check_unique_obs_names(adata, *, source: str | None = None) -> None:
                            "adata.obs_names_make_unique() then adata.write_h5ad(...)")
 
 
+def check_key_added(adata, key_added: str, *, spatial_key: str, embedding_key: str | None, overwrite: bool,
+                    cli: bool = False) -> None:
+    """Refuse an ``obsm`` output key that would destroy data: the coordinates or embeddings the
+    call reads (always), or another existing entry that is not named like an embedding (``X_*``,
+    scanpy's convention: a re-run replaces its own output as ``sc.pp.pca`` replaces ``X_pca``)
+    unless ``overwrite``. ``cli``: name the command-line options (``--key-added``) in the error."""
+    from domainfm.errors import InputError
+
+    where = f"--key-added {key_added!r}" if cli else f"key_added={key_added!r}"
+    if key_added in (spatial_key, embedding_key):
+        what = "the cell coordinates" if key_added == spatial_key else "the cell embeddings"
+        raise InputError(f"{where}: obsm[{key_added!r}] holds {what} this embedding is computed from; "
+                         "choose another key (default 'X_stofm')")
+    if key_added in adata.obsm and not key_added.startswith("X_") and not overwrite:
+        raise InputError(f"{where}: obsm[{key_added!r}] already holds data of shape "
+                         f"{tuple(np.shape(adata.obsm[key_added]))}; choose another key (default 'X_stofm'), "
+                         f"or pass {'--overwrite' if cli else 'overwrite=True'} to replace it")
+
+
+def _read_slice_file(path: Path):
+    if path.is_dir():
+        return read_visium(path)
+    if path.suffix == ".h5ad":
+        return read_h5ad(path)
+    raise SpatialDataError(f"{path}: expected an .h5ad file (AnnData) or a 10x Visium folder, got "
+                           f"{path.suffix or 'no suffix'!r}")
+
+
 def read_spatial(path: str | Path, *, spatial_key: str = "spatial"):
     """Read a ``.h5ad`` file or a Visium folder into AnnData and :func:`validate` it."""
     path = Path(path)
-    if path.is_dir():
-        adata = read_visium(path)
-    elif path.suffix == ".h5ad":
-        adata = read_h5ad(path)
-    else:
-        raise SpatialDataError(f"{path}: expected a .h5ad file or a 10x Visium folder")
+    adata = _read_slice_file(path)
     adata.var_names_make_unique()
     validate(adata, spatial_key=spatial_key, source=str(path))
+    return adata
+
+
+def read_cells(path: str | Path):
+    """The slice of a per-cell output (predictions, embeddings): a ``.h5ad`` file or a Visium
+    folder whose ``obs_names``, the output's keys, are unique (:func:`check_unique_obs_names`).
+    Not validated here: the caller knows which coordinates and layer it reads."""
+    path = Path(path)
+    adata = _read_slice_file(path)
+    check_unique_obs_names(adata, source=str(path))
     return adata
 
 
@@ -382,8 +420,17 @@ def _leiden(xy, embeddings, *, resolution, alpha, n_neighbors, seed) -> np.ndarr
     sc.pp.pca(emb, n_comps=2, svd_solver="arpack", random_state=seed)
     features = alpha * _max_norm(np.asarray(xy, dtype=np.float64)) + (1 - alpha) * _max_norm(
         emb.obsm["X_pca"].astype(np.float64))
-    cells = ad.AnnData(np.zeros((len(xy), 0), dtype=np.float32))
-    adjacency = umap_connectivities(features, n_neighbors=min(n_neighbors, len(xy)))
+    return leiden_clusters(features, n_neighbors=n_neighbors, resolution=resolution, seed=seed)
+
+
+def leiden_clusters(points: np.ndarray, *, n_neighbors: int = 10, resolution: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Leiden clusters ``(n,)`` of ``points``' kNN graph (:func:`umap_connectivities`), as the
+    official code runs it: scanpy's igraph flavour, 2 iterations, undirected."""
+    import anndata as ad
+    import scanpy as sc
+
+    cells = ad.AnnData(np.zeros((len(points), 0), dtype=np.float32))
+    adjacency = umap_connectivities(np.asarray(points, dtype=np.float64), n_neighbors=n_neighbors)
     sc.tl.leiden(cells, adjacency=adjacency, resolution=resolution, flavor="igraph", n_iterations=2,
                  directed=False, random_state=seed)
     return cells.obs["leiden"].to_numpy().astype(np.int64)
@@ -535,6 +582,27 @@ class SubsliceDataset(torch.utils.data.Dataset):
         return self.subslices[index]
 
 
+class CellTaskDataset(torch.utils.data.Dataset):
+    """Sub-slices whose cell tokens carry the label of the split's cells (-100 elsewhere)."""
+
+    def __init__(self, subslices, labels: np.ndarray, cells: np.ndarray):
+        self.subslices = list(subslices)
+        self.labels = np.full(len(labels), -100, dtype=np.int64)
+        self.labels[cells] = labels[cells]
+        self.n_labelled = int(len(cells))
+
+    def __len__(self) -> int:
+        return len(self.subslices)
+
+    def __getitem__(self, i):
+        item = dict(self.subslices[i])
+        index = item["cell_index"].numpy()
+        labels = np.full(len(index), -100, dtype=np.int64)
+        labels[index >= 0] = self.labels[index[index >= 0]]
+        item["labels"] = torch.from_numpy(labels)
+        return item
+
+
 @torch.no_grad()
 def encode_cells(tokens: TokenizedCells, encoder: torch.nn.Module, *, batch_size: int = 32,
                  device: str | torch.device | None = None) -> np.ndarray:
@@ -570,6 +638,52 @@ def resolve_slice(path: str | Path):
     if str(path) == "@visium_tiny":
         return read_spatial(samples_dir() / "visium_tiny")
     return read_spatial(Path(path).expanduser())
+
+
+def obs_labels(adata, key: str, *, source: str | None = None,
+               option: str = "label_key") -> tuple[np.ndarray, list[str]]:
+    """``(labels (n_obs,), classes)``: ``obs[key]`` as text, encoded as indices into its sorted
+    distinct values."""
+    if key not in adata.obs:
+        raise SpatialDataError(f"{_source(adata, source)}: obs[{key!r}] is missing ({option}); "
+                               f"obs has {list(adata.obs.columns)}")
+    raw = adata.obs[key].astype(str).to_numpy()
+    classes = sorted(set(raw))
+    return np.searchsorted(np.array(classes), raw), classes
+
+
+def stratified_split(labels: np.ndarray, val_fraction: float, test_fraction: float, *,
+                     seed: int = 0) -> dict[str, np.ndarray]:
+    """Sorted cell indices of ``train`` / ``val`` / ``test``, drawn at random within each class
+    (every class in train when it has >= 3 cells)."""
+    rng = np.random.default_rng(seed)
+    parts: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        n_val, n_test = int(round(len(idx) * val_fraction)), int(round(len(idx) * test_fraction))
+        parts["val"].append(idx[:n_val])
+        parts["test"].append(idx[n_val:n_val + n_test])
+        parts["train"].append(idx[n_val + n_test:])
+    return {k: np.sort(np.concatenate(v)) for k, v in parts.items()}
+
+
+def expression_baselines(adata, *, n_components: int = 50, spatial_key: str = "spatial", layer: str | None = None,
+                         n_smooth: int = 10) -> dict[str, np.ndarray]:
+    """The cell features a scanpy user would try first: ``pca``, PCA of log-normalised expression
+    (``normalize_total`` to 1e4, ``log1p``), and ``pca_smoothed``, its mean over each cell's
+    ``n_smooth`` nearest cells (itself included)."""
+    import scanpy as sc
+    from sklearn.neighbors import NearestNeighbors
+
+    work = sc.AnnData(adata.layers[layer] if layer else adata.X)
+    sc.pp.normalize_total(work, target_sum=1e4)
+    sc.pp.log1p(work)
+    n = max(2, min(n_components, min(work.shape) - 1))
+    sc.pp.pca(work, n_comps=n, random_state=0)
+    pca = np.asarray(work.obsm["X_pca"], dtype=np.float64)
+    xy = np.asarray(adata.obsm[spatial_key])[:, :2]
+    _, idx = NearestNeighbors(n_neighbors=min(n_smooth, len(xy))).fit(xy).kneighbors(xy)
+    return {"pca": pca, "pca_smoothed": pca[idx].mean(axis=1)}
 
 
 # -- shards: sub-slices preprocessed once, stored compactly (distances as their kNN edges) --------

@@ -96,6 +96,15 @@ def test_embed_output_of_another_kind_is_refused_before_anything_is_read(tmp_pat
         main(["--debug", "embed", "stofm", "--model", "m", "--input", "i.h5ad", "--output", str(tmp_path / "x.txt")])
 
 
+def test_stofm_predict_to_an_h5ad_is_refused_before_anything_is_read(tmp_path, capsys):
+    # predict writes a table; an .h5ad path used to receive CSV text silently
+    out = tmp_path / "cells.h5ad"
+    line = _one_line_error(capsys, ["predict", "stofm", "--model", str(tmp_path / "no_model"), "--input",
+                                    str(tmp_path / "no_slice.h5ad"), "--output", str(out)])
+    assert "--output" in line and "cells.h5ad" in line and ".csv" in line and ".parquet" in line, line
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------------------ 4. predict with a headless model
 
 
