@@ -6,18 +6,23 @@ put every series on a regular grid of its frequency, so a missing timestamp beco
 
 * :func:`read_long` — long-format CSV / Parquet files or pandas DataFrames
   (``item_id, timestamp, target``), with frequency inference per series.
+* :func:`iter_long` / :func:`iter_series` — the same one series at a time (a CSV in chunks of
+  rows), for forecasting and embedding inputs of any size.
 * :func:`from_gluonts` — a list of GluonTS-style dicts (``start`` + ``target``).
 * :func:`split_by_time` — hold out the last ``prediction_length`` steps (x ``n_windows``).
 * :class:`ForecastWindows` — random (context, future) windows for training, with missing-value
   injection as in Chronos's training (each observation dropped with probability U(0, p)).
+* :class:`HeldOutWindows` — fixed validation / test windows; :func:`kernel_synth_windows` —
+  held-out KernelSynth windows (a retained-capability probe of the pretraining distribution).
 * :func:`load_sample` — the public-domain series shipped in ``samples/timeseries``.
 """
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -27,15 +32,20 @@ from torch.utils.data import Dataset
 __all__ = [
     "infer_freq",
     "read_long",
+    "iter_long",
+    "iter_series",
     "from_dataframe",
     "from_gluonts",
     "split_by_time",
     "future_index",
     "ForecastWindows",
+    "HeldOutWindows",
+    "kernel_synth_windows",
     "load_sample",
     "statsmodels_corpus",
     "STATSMODELS_CORPUS",
     "left_pad",
+    "left_pad_batch",
     "SAMPLES",
     "TimeSeriesError",
 ]
@@ -164,6 +174,85 @@ def read_long(source: str | os.PathLike | pd.DataFrame, **kwargs) -> list[dict[s
     return from_dataframe(df, where=str(path), **kwargs)
 
 
+def iter_long(path: str | os.PathLike, *, item_id: str = "item_id", timestamp: str = "timestamp",
+              target: str = "target", freq: str | None = None, chunk_rows: int = 200_000) -> Iterator[dict[str, Any]]:
+    """The series of a long-format file, one at a time. A CSV whose items each occupy contiguous
+    rows (the usual layout) is read ``chunk_rows`` rows at a time, so memory does not grow with
+    the number of series; any other file (Parquet, interleaved items) is read whole."""
+    path = Path(path)
+    if chunk_rows < 1:
+        raise TimeSeriesError(f"chunk_rows={chunk_rows}: must be >= 1")
+    columns = {"item_id": item_id, "timestamp": timestamp, "target": target, "freq": freq, "dataset": None}
+    chunked = path.suffix.lower() in (".csv", ".txt") and path.is_file()
+    if not chunked or not _items_contiguous(path, item_id, chunk_rows):
+        yield from read_long(path, **columns)
+        return
+    carry, first_row = None, 0
+    for chunk in pd.read_csv(path, chunksize=chunk_rows, dtype={item_id: str}):
+        frame = chunk if carry is None else pd.concat([carry, chunk], ignore_index=True)
+        items = frame[item_id].astype(str).to_numpy()
+        done = items != items[-1]  # every item but the last is complete (its rows are contiguous)
+        if done.any():
+            yield from from_dataframe(frame[done].reset_index(drop=True), where=f"{path} (rows from {first_row})",
+                                      **columns)
+            first_row += int(done.sum())
+        carry = frame[~done].reset_index(drop=True)
+    if carry is not None and len(carry):
+        yield from from_dataframe(carry, where=f"{path} (rows from {first_row})", **columns)
+
+
+def _items_contiguous(path: Path, item_id: str, chunk_rows: int) -> bool:
+    """Whether every item of the CSV occupies one run of rows (a pass over the item column only)."""
+    seen, current = set(), None
+    try:
+        for chunk in pd.read_csv(path, usecols=[item_id], chunksize=chunk_rows, dtype={item_id: str}):
+            items = chunk[item_id].astype(str).to_numpy()
+            if not len(items):
+                continue
+            heads = items[np.r_[True, items[1:] != items[:-1]]]
+            for head in heads:
+                if head == current:
+                    continue
+                if head in seen:
+                    return False
+                seen.add(head)
+                current = head
+    except (ValueError, pd.errors.EmptyDataError):  # no such column, empty file: the whole-file reader says so
+        return False
+    return current is not None
+
+
+def iter_series(source: Any, *, item_id: str = "item_id", timestamp: str = "timestamp", target: str = "target",
+                freq: str | None = None, chunk_rows: int = 200_000) -> Iterator[dict[str, Any]]:
+    """Every series of ``source``, one at a time: a long-format CSV/Parquet path (:func:`iter_long`),
+    a long-format DataFrame, a list of series dicts (e.g. from :func:`read_long`) or a (B, T)
+    array or tensor (NaN = missing; ids ``"0" .. "B-1"``, no timestamps). An item with no observed
+    value, or no item at all, is an error naming the file (``series`` for a Python object)."""
+    where = str(source) if isinstance(source, (str, os.PathLike)) else "series"
+    columns = {"item_id": item_id, "timestamp": timestamp, "target": target, "freq": freq}
+    if isinstance(source, (str, os.PathLike)):
+        items: Iterable[Mapping[str, Any]] = iter_long(source, chunk_rows=chunk_rows, **columns)
+    elif isinstance(source, pd.DataFrame):
+        items = read_long(source, dataset=None, **columns)
+    elif isinstance(source, (np.ndarray, torch.Tensor)):
+        values = torch.as_tensor(source, dtype=torch.float32)
+        rows = values.reshape(-1, values.shape[-1])
+        items = ({"item_id": str(i), "target": row.numpy()} for i, row in enumerate(rows))
+    else:
+        items = list(source)
+        if not all(isinstance(s, Mapping) and "target" in s for s in items):
+            raise TimeSeriesError("series: expected a file path, a long-format DataFrame, a (B, T) array or a list of "
+                                  "series dicts (item_id, start, freq, target), e.g. from read_long")
+    n = 0
+    for n, s in enumerate(items, 1):
+        if not np.isfinite(np.asarray(s["target"], dtype=np.float64)).any():
+            raise TimeSeriesError(f"{where}: item {s['item_id']!r} has no observed value (every {target!r} value is "
+                                  "empty or NaN); drop the item or give it at least one value")
+        yield dict(s)
+    if n == 0:
+        raise TimeSeriesError(f"{where}: no rows")
+
+
 def from_gluonts(entries: Iterable[Mapping[str, Any]], *, freq: str | None = None) -> list[dict[str, Any]]:
     """Series from GluonTS-style dicts with ``start`` (timestamp or period) and ``target``
     (1-D); ``freq`` comes from the argument, the entry, or a pandas Period ``start``."""
@@ -226,6 +315,11 @@ def left_pad(values: np.ndarray, length: int) -> np.ndarray:
     if len(values):
         out[length - len(values) :] = values
     return out
+
+
+def left_pad_batch(series: Iterable[np.ndarray], length: int) -> torch.Tensor:
+    """(B, length) float32: the last ``length`` values of each series, left-padded with NaN."""
+    return torch.from_numpy(np.stack([left_pad(values, length) for values in series]))
 
 
 class ForecastWindows(Dataset):
@@ -292,6 +386,46 @@ class ForecastWindows(Dataset):
             drop = rand(self.context_length) < uniform(0, self.missing_prob)
             context = np.where(drop, np.float32(np.nan), context)
         return torch.from_numpy(context.copy()), torch.from_numpy(future.copy())
+
+
+class HeldOutWindows(Dataset):
+    """Validation / test windows: ``(context, future, index)``, the context left-padded with NaN to
+    the longest one (a recipe cuts it to its model's context length), ``index`` = ``offset + i``
+    so that windows of several sets sharing one recipe stay distinct.
+
+    Args:
+        windows: dicts with ``context`` and ``future`` arrays (e.g. :func:`split_by_time`'s test).
+        offset: added to each window's index.
+    """
+
+    def __init__(self, windows: Sequence[Mapping[str, Any]], offset: int = 0):
+        self.windows, self.offset = list(windows), int(offset)
+        contexts = [w["context"] for w in self.windows]
+        self.context = left_pad_batch(contexts, max(len(c) for c in contexts))
+        self.future = torch.from_numpy(np.stack([np.asarray(w["future"], dtype=np.float32) for w in self.windows]))
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int):
+        return self.context[i], self.future[i], torch.tensor(self.offset + i)
+
+
+@functools.lru_cache(maxsize=8)
+def kernel_synth_windows(n: int, length: int, seed: int, horizon: int) -> tuple[dict[str, Any], ...]:
+    """``n`` KernelSynth series of ``length`` steps drawn with ``seed``, each split into a context
+    and its last ``horizon`` steps (``future``); daily from 2000-01-01, dataset ``kernel_synth``."""
+    from domainfm.data_loaders.synthetic_series import generate_kernel_synth
+
+    start = pd.Timestamp("2000-01-01")
+    windows = []
+    for i, y in enumerate(generate_kernel_synth(n, length=length, seed=seed)):
+        y = np.asarray(y, dtype=np.float64)
+        # shifted to positive values: WQL divides by sum |y|, and a GP draw crosses zero
+        y = y - y.min() + 1.0 + np.abs(y).mean()
+        windows.append({"dataset": "kernel_synth", "item_id": f"ks{i}", "freq": "D", "start": start,
+                        "context": y[:-horizon], "future": y[-horizon:]})
+    return tuple(windows)
 
 
 def load_sample(name: str = "statsmodels_series") -> list[dict[str, Any]]:
