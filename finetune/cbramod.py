@@ -43,6 +43,7 @@ from domainfm.data_loaders.eeg_demo import DEMO_LABELS_NOTE, DEMO_REGIONS, build
 from domainfm.engine import TrainConfig
 from domainfm.experiment import AdaptSection, ExperimentConfig, Family, ModelSection, Retained, TaskData
 from domainfm.experiment import apply
+from domainfm.pretrain.cbramod import masked_reconstruction_error, random_patch_mask
 from domainfm.lora.settings import LoraSettings
 
 __all__ = ["Config", "DataSection", "RetainedSection", "DEMO_REGIONS", "FAMILY", "RETAINED", "InferenceSettings",
@@ -224,29 +225,10 @@ def retained_windows(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         n_patches = x.shape[-1] // 200
         if n_patches == 0 or x.shape[-1] % 200:
             raise ValueError(f"retained.window_s={section.window_s}: must be a whole number of 1-s patches")
-        from domainfm.pretrain.cbramod import random_patch_mask
-
         mask = random_patch_mask(len(x), x.shape[1], n_patches, section.mask_ratio,
                                  generator=torch.Generator().manual_seed(section.seed))
         _WINDOW_CACHE[key] = (x, mask)
     return _WINDOW_CACHE[key]
-
-
-@torch.no_grad()
-def masked_reconstruction_error(backbone: nn.Module, proj_out: nn.Module, x: torch.Tensor, mask: torch.Tensor,
-                                *, batch_size: int = 16) -> float:
-    """CBraMod's pretraining loss with a given mask: MSE between ``proj_out`` of ``backbone``'s
-    features of the masked input and the original patches, over the masked patches only."""
-    backbone.eval()
-    device = next(backbone.parameters()).device
-    total, count = 0.0, 0
-    for start in range(0, len(x), batch_size):
-        patches = backbone.patchify(x[start:start + batch_size].to(device))
-        m = mask[start:start + batch_size].to(device)
-        rec = proj_out(backbone.encoder(backbone.patch_embedding(patches, m))).float()
-        total += float(((rec - patches.float())[m] ** 2).sum())
-        count += int(m.sum()) * patches.shape[-1]
-    return total / count
 
 
 def _reconstruction_source(ctx) -> str | bool | None:
@@ -540,12 +522,8 @@ def predict(recording, model: str | Path | nn.Module, settings: InferenceSetting
         precision: ``auto`` (bf16 autocast where the device has native bf16, else fp32),
             ``32-true`` or ``bf16-mixed``. Tolerance (tested): bf16 logits differ from fp32 by
             less than 2 % of the largest |logit|; probabilities by less than 0.02 on average, and
-            the predicted class is the same in >= 90 % of windows. Measured on the shipped
-            recording (15 windows of 4 channels x 4 s, a CPU with AVX512-BF16): logit error
-            0.8-1.8 % of the logit scale; mean |dp| <= 0.0094; the predicted class agreed in every
-            window; but a window whose top two logits are nearly tied can move by up to 0.21
-            (tiny demo models, logits ~300) — max |dp| 0.012 for ``cbramod-base``-sized models.
-            Pass ``precision="32-true"`` for reproducible figures.
+            the predicted class is the same in >= 90 % of windows (measured figures:
+            ``benchmarks/README.md``). Pass ``precision="32-true"`` for reproducible figures.
 
     Returns a ``pandas.DataFrame``, one row per window: ``start_s``, ``end_s`` (seconds from the
     first sample), ``predicted`` (the class name where known, else its index) and ``p_<class>``

@@ -47,7 +47,7 @@ import pandas as pd
 import torch
 
 from domainfm import zoo
-from domainfm.atomic import atomic_path, atomic_write_text
+from domainfm.atomic import atomic_write_text
 from domainfm.data_loaders import timeseries as T
 from domainfm.data_loaders.timeseries import HeldOutWindows
 from domainfm.engine import Recipe, Trainer
@@ -55,6 +55,7 @@ from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Fami
 from domainfm.experiment import apply
 from domainfm.experiment.forecast_metrics import forecast_scores
 from domainfm.experiment.inference import quantile_levels
+from domainfm.experiment.pictures import fan_chart, fan_figure
 from domainfm.lora.settings import LoraSettings
 from domainfm.pretrain.wavetoken import ForecastRecipe
 
@@ -440,63 +441,6 @@ run, evaluate = FAMILY.run, FAMILY.evaluate
 
 
 # --------------------------------------------------------------------------- fan chart
-
-
-def fan_figure(records: list[dict[str, Any]], *, max_series: int = 6, title: str | None = None,
-               history: int | None = None):
-    """A fan chart (a matplotlib ``Figure``, Agg): for each of the first ``max_series`` records,
-    the last ``history`` observed values (default ``max(4 * horizon, 48)``), the median (the 0.5
-    level, else the mean), the bands between symmetric quantile levels (e.g. 10-90%, 20-80%, ...;
-    darker inside) and the held-out target when the record has one.
-
-    ``records``: dicts with ``item_id``, ``history``, ``history_index``, ``future_index``,
-    ``quantiles`` (H, Q), ``levels`` (Q), ``mean`` (H,), optional ``target`` (H,)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    records = list(records)[:max_series]
-    if not records:
-        raise ValueError("fan_chart: no series to draw")
-    ncols = 1 if len(records) == 1 else 2
-    nrows = -(-len(records) // ncols)
-    fig = Figure(figsize=(6.0 * ncols, 2.4 * nrows + 0.4), dpi=90)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    for ax, r in zip(axes.flat, records):
-        levels = [float(q) for q in r["levels"]]
-        q = np.asarray(r["quantiles"], dtype=np.float64)
-        horizon = q.shape[0]
-        keep = history or max(4 * horizon, 48)
-        ax.plot(r["history_index"][-keep:], np.asarray(r["history"])[-keep:], color="black", lw=1.0, label="history")
-        pairs = sorted(((lo, hi) for lo in levels for hi in levels if lo < 0.5 and abs(lo + hi - 1) < 1e-9),
-                       key=lambda p: p[0])
-        for k, (lo, hi) in enumerate(pairs):  # the outer band first, lightest
-            alpha = 0.15 + 0.45 * (k + 1) / len(pairs)
-            ax.fill_between(r["future_index"], q[:, levels.index(lo)], q[:, levels.index(hi)], color="tab:blue",
-                            alpha=alpha, lw=0, label=f"{lo:.0%}-{hi:.0%}" if k in (0, len(pairs) - 1) else None)
-        median = q[:, levels.index(0.5)] if 0.5 in levels else np.asarray(r["mean"])
-        ax.plot(r["future_index"], median, color="tab:blue", lw=1.5, label="median" if 0.5 in levels else "mean")
-        if r.get("target") is not None:
-            ax.plot(r["future_index"], r["target"], "o", ms=2.5, color="tab:red", label="target")
-        ax.set_title(str(r["item_id"]), fontsize=9)
-        ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(records):]:
-        ax.set_visible(False)
-    axes.flat[0].legend(fontsize=7, loc="upper left")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    # fixed margins: tight_layout would draw the figure once more (a third of the time)
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / fig.get_figheight(), top=1 - 0.55 / fig.get_figheight(),
-                        wspace=0.18, hspace=0.55)
-    return fig
-
-
-def fan_chart(path: str | Path, records: list[dict[str, Any]], **kwargs: Any) -> Path:
-    """:func:`fan_figure` written as a PNG to ``path``, atomically."""
-    fig = fan_figure(records, **kwargs)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    return Path(path)
 
 
 # --------------------------------------------------------------------------- predict / embed

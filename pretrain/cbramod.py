@@ -24,14 +24,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 import torch.nn.functional as F
 from torch.utils.data import Subset
 
 from domainfm.data_loaders import eeg
 from domainfm.engine import Recipe, TrainConfig, Trainer
 
-__all__ = ["Config", "ModelSection", "DataSection", "MaskedReconstructionRecipe", "random_patch_mask", "run",
-           "evaluate", "build_datasets"]
+__all__ = ["Config", "ModelSection", "DataSection", "MaskedReconstructionRecipe", "random_patch_mask",
+           "masked_reconstruction_error", "run", "evaluate", "build_datasets"]
 
 
 @dataclass
@@ -87,6 +88,23 @@ def random_patch_mask(batch: int, n_chans: int, n_patches: int, ratio: float, *,
         pick = torch.randint(0, n_chans * n_patches, (int(empty.sum()),), generator=generator)
         flat[empty.nonzero().flatten(), pick] = True
     return mask.to(device) if device is not None else mask
+
+
+@torch.no_grad()
+def masked_reconstruction_error(backbone: nn.Module, proj_out: nn.Module, x: torch.Tensor, mask: torch.Tensor,
+                                *, batch_size: int = 16) -> float:
+    """CBraMod's pretraining loss with a given mask: MSE between ``proj_out`` of ``backbone``'s
+    features of the masked input and the original patches, over the masked patches only."""
+    backbone.eval()
+    device = next(backbone.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(x), batch_size):
+        patches = backbone.patchify(x[start:start + batch_size].to(device))
+        m = mask[start:start + batch_size].to(device)
+        rec = proj_out(backbone.encoder(backbone.patch_embedding(patches, m))).float()
+        total += float(((rec - patches.float())[m] ** 2).sum())
+        count += int(m.sum()) * patches.shape[-1]
+    return total / count
 
 
 class MaskedReconstructionRecipe(Recipe):
