@@ -118,3 +118,30 @@ def test_bad_input_is_one_line_error(run, tmp_path, capsys):
                  str(tmp_path / "o.csv")]) == 2
     err = capsys.readouterr().err
     assert "slice.csv" in err and ".h5ad" in err and not (tmp_path / "o.csv").exists()
+
+
+def test_a_model_folder_copied_out_of_its_run_predicts_as_inside_it(run, tmp_path):
+    """Every arm's saved model carries its run's record (config and report): copied elsewhere it
+    keeps the run's sub-slicing and class names, and its family is read from it."""
+    import shutil
+
+    import domainfm
+
+    run_dir, slice_path = run
+    arm = next(p.parent.parent for p in sorted(run_dir.glob("*/model/config.json")))
+    copied = tmp_path / "elsewhere" / "model"
+    shutil.copytree(arm / "model", copied)
+    assert (copied / "run_record.json").is_file()
+    inside, outside = tmp_path / "inside.csv", tmp_path / "outside.csv"
+    for model, out in ((arm / "model", inside), (copied, outside)):
+        assert main(["predict", "stofm", "--model", str(model), "--input", str(slice_path), "--output", str(out),
+                     "--precision", "32-true"]) == 0
+    a, b = pd.read_csv(inside, index_col="cell"), pd.read_csv(outside, index_col="cell")
+    assert list(b.columns) == list(a.columns) == ["predicted"] + [f"p_{c}" for c in sorted(S.NICHES)]
+    np.testing.assert_allclose(b.drop(columns="predicted").to_numpy(), a.drop(columns="predicted").to_numpy(),
+                               atol=1e-6)
+    frame = domainfm.predict(copied, slice_path, precision="32-true").set_index("cell")  # family from the record
+    assert list(frame.index) == list(a.index)
+    np.testing.assert_allclose(frame.drop(columns="predicted").to_numpy(), a.drop(columns="predicted").to_numpy(),
+                               atol=1e-6)
+

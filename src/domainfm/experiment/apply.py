@@ -44,12 +44,17 @@ from typing import Any, Callable, Mapping, Sequence
 from domainfm.errors import InputError
 
 __all__ = ["Applier", "Command", "Output", "Raster", "Runtime", "ModelRef", "option", "resolve", "run", "main",
-           "predict", "embed", "applier_of", "family_of_model", "SETTINGS_FILE", "write_settings",
+           "predict", "embed", "applier_of", "family_of_model", "SETTINGS_FILE", "write_settings", "RUN_RECORD",
+           "write_run_record",
            "TABLE", "ARRAYS", "ANNDATA", "RASTER", "FIGURE"]
 
 #: written beside a fine-tuned arm's saved model: how inputs become its inputs (a model folder is
 #: self-describing: copied elsewhere, it predicts as it was trained)
 SETTINGS_FILE = "apply_settings.json"
+
+#: written beside every arm's saved model at the end of a fine-tuning run: the run's family, config
+#: and report, so that a model folder copied out of its run applies as it was trained
+RUN_RECORD = "run_record.json"
 
 #: output kinds -> the file extensions each is written as
 TABLE = (".csv", ".parquet", ".tsv")
@@ -176,18 +181,26 @@ class ModelRef:
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}: not valid JSON ({exc})") from None
 
+    def _run_record(self) -> dict[str, Any] | None:
+        recorded = self.recorded(RUN_RECORD)
+        return recorded[0] if recorded is not None else None
+
     def run_config(self, config_cls: type) -> Any | None:
-        """The run's ``config.yaml`` parsed into ``config_cls`` (None: not a run)."""
-        if self.run is None:
-            return None
+        """The run's ``config.yaml`` parsed into ``config_cls``, or the one recorded beside a model
+        folder copied out of its run (None: neither)."""
         from domainfm import config as cfgmod
 
-        return cfgmod.from_dict(config_cls, cfgmod.load_yaml(self.run / "config.yaml"))
+        if self.run is not None:
+            return cfgmod.from_dict(config_cls, cfgmod.load_yaml(self.run / "config.yaml"))
+        record = self._run_record()
+        return None if record is None else cfgmod.from_dict(config_cls, record["config"])
 
     def run_report(self) -> dict[str, Any] | None:
-        if self.run is None or not (self.run / "report.json").is_file():
-            return None
-        return json.loads((self.run / "report.json").read_text())
+        """The run's ``report.json``, or the one recorded beside a model folder (None: neither)."""
+        if self.run is not None and (self.run / "report.json").is_file():
+            return json.loads((self.run / "report.json").read_text())
+        record = self._run_record() if self.run is None else None
+        return None if record is None else record["report"]
 
 
 def write_settings(model_dir: str | Path, settings: Mapping[str, Any]) -> Path:
@@ -195,6 +208,15 @@ def write_settings(model_dir: str | Path, settings: Mapping[str, Any]) -> Path:
     from domainfm.atomic import atomic_write_json
 
     return atomic_write_json(Path(model_dir) / SETTINGS_FILE, dict(settings))
+
+
+def write_run_record(model_dir: str | Path, *, family: str, config: Any, report: Mapping[str, Any]) -> Path:
+    """Record the run a model folder came from (:data:`RUN_RECORD`): its family, config and report."""
+    from domainfm import config as cfgmod
+    from domainfm.atomic import atomic_write_json
+
+    return atomic_write_json(Path(model_dir) / RUN_RECORD,
+                             {"family": family, "config": cfgmod.to_dict(config), "report": dict(report)})
 
 
 def resolve(model: Any, *, arm: str | None = None, pretrained: Any = None, device: Any = "cpu", **kwargs: Any):
@@ -321,6 +343,8 @@ def family_of_model(model: Any) -> str:
             name = own.get("model_name") or own.get("name") or config.get("name")
         elif ref.run is not None and (ref.run / "run.json").is_file():
             return json.loads((ref.run / "run.json").read_text())["family"]
+        elif ref._run_record() is not None:
+            return ref._run_record()["family"]
         else:
             name = str(model)
     if name is None:

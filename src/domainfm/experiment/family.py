@@ -198,20 +198,23 @@ class Family(RobustArms, ArmRunner):
             if picture is not None:
                 report.setdefault("pictures", {})["tradeoff"] = picture
         report["wall_time_s"] = round(time.perf_counter() - start, 2)
-        self._model_cards(report, folder)
+        self._model_cards(cfg, report, folder)
         return report
 
-    def _model_cards(self, report: dict[str, Any], folder: RunFolder) -> None:
+    def _model_cards(self, cfg, report: dict[str, Any], folder: RunFolder) -> None:
         """Each saved arm's model card (``RUN/<arm>/model/README.md``) gets the run's metrics for
-        that arm, so that the folder can be uploaded to the Hub as it is (``hf upload``)."""
+        that arm, so that the folder can be uploaded to the Hub as it is (``hf upload``); beside
+        it the run's record (config and report), so that the folder applies as it was trained
+        wherever it is copied."""
+        from domainfm import create_model
+        from domainfm.experiment.apply import write_run_record
         from domainfm.hub import write_model_card
 
         for arm in report.get("arms", {}):
             model_dir = folder.model_dir(arm)
             if (model_dir / "config.json").is_file():
-                from domainfm import create_model
-
                 write_model_card(model_dir, create_model(model_dir), report, arm=arm)
+                write_run_record(model_dir, family=self.name, config=cfg, report=report)
 
     def evaluate(self, cfg, run_dir: str | Path) -> dict[str, Any]:
         """Score every arm's saved model (``RUN/<arm>/model``) on validation and test again and
