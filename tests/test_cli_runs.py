@@ -1,6 +1,6 @@
-"""Issue 17: run folders that are never overwritten or shared, resume that fails loudly, named
-weights that must load, a cache that verifies what it serves, one-line CLI errors, and
-``predict wavetoken`` refusing an item with no observation."""
+"""Run folders that are never overwritten or shared, resume that fails loudly and refuses a changed
+run, and one-line CLI errors (domainfm.cli, domainfm.experiment.run_folder, the engine's resume),
+through a toy family."""
 from __future__ import annotations
 
 import dataclasses
@@ -81,7 +81,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-# --------------------------------------------------------------------------- 1. run folders
+# --------------------------------------------------------------------------- run folders
 
 
 def test_rerun_of_a_finished_name_is_refused_and_leaves_it_byte_equal(toy_family, capsys):
@@ -276,7 +276,7 @@ def test_resume_truncates_history_to_the_checkpoint_and_keeps_first_loss(tmp_pat
     assert result.best_val == ref.best_val and result.best_step == ref.best_step
 
 
-# --------------------------------------------------------------------------- 4. CLI errors
+# --------------------------------------------------------------------------- CLI errors
 
 
 def _cli(*argv, cwd):
@@ -305,182 +305,3 @@ def test_data_loader_and_missing_input_errors_are_user_errors(toy_family, capsys
     assert "missing.yaml" in capsys.readouterr().err
     # an unexpected error (a bug) keeps its traceback
     assert not cli.is_user_error(ValueError("bug")) and not cli.is_user_error(KeyError("x"))
-
-
-# --------------------------------------------------------------------------- 2. named weights must load
-
-
-class _Exec:
-    def __reduce__(self):
-        import builtins
-
-        return (builtins.exec, ("open('/dev/null')",))
-
-
-def _tiny_eeg_args(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_cbramod_tests", Path(__file__).parent / "finetune" / "test_cbramod.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._common(tmp_path)
-
-
-@pytest.mark.parametrize("kind", ["unsafe", "corrupt", "other_family", "text"])
-def test_named_weights_file_that_fails_stops_the_cli_even_with_fallback_random(kind, tmp_path, capsys):
-    from domainfm import create_model
-
-    path = tmp_path / f"{kind}.pth"
-    if kind == "unsafe":
-        torch.save({"model": _Exec()}, path)
-    elif kind == "corrupt":
-        buffer = __import__("io").BytesIO()
-        torch.save(create_model("cbramod-test", n_outputs=None).state_dict(), buffer)
-        path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-    elif kind == "other_family":
-        torch.save({"body.0.weight": torch.zeros(4, 3), "head.weight": torch.zeros(2, 4)}, path)
-    else:
-        path.write_text("root:x:0:0:root:/root:/bin/bash\n")
-    args = ["finetune", "cbramod", *_tiny_eeg_args(tmp_path), f"model.pretrained={path}", "model.fallback=random",
-            "arms=[pretrained]", "train.max_steps=2", "--runs-dir", str(tmp_path / "runs"), "--name", kind]
-    assert cli.main(args) == 2
-    err = capsys.readouterr().err
-    assert "RANDOM" not in err and "Traceback" not in err
-    first = next(line for line in err.splitlines() if line.startswith("domainfm finetune: error:"))
-    assert str(path) in first
-    assert not (tmp_path / "runs" / "cbramod" / kind / "report.json").exists()
-
-
-def test_non_checkpoint_files_are_named_as_such_and_code_only_where_met(tmp_path):
-    from domainfm import hub
-
-    cases = {"text.pth": b"hello world\nthis is text\n", "passwd.pth": b"root:x:0:0:root:/root:/bin/bash\n",
-             "random.pth": bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).to(torch.uint8).tolist()),
-             "random.safetensors": b"\x00\xff" * 100, "empty.bin": b""}
-    for name, data in cases.items():
-        path = tmp_path / name
-        path.write_bytes(data)
-        with pytest.raises(hub.HubError) as info:
-            hub.load_checkpoint(path)
-        message = str(info.value)
-        assert not isinstance(info.value, hub.UnsafeCheckpointError), name
-        assert message.startswith(f"{path}: not a checkpoint") and \
-            "not a safetensors file, not a torch zip archive, not a pickle" in message, message
-        assert "execute code" not in message
-    evil = tmp_path / "evil.pth"
-    torch.save({"w": _Exec()}, evil)
-    with pytest.raises(hub.UnsafeCheckpointError, match=r"would execute code.*exec"):
-        hub.load_checkpoint(evil)
-    # a safetensors file under another name is read as what it is
-    from safetensors.torch import save_file
-
-    save_file({"w": torch.arange(3.0)}, str(tmp_path / "st.pth"))
-    assert torch.equal(hub.load_checkpoint(tmp_path / "st.pth")["w"], torch.arange(3.0))
-
-
-# --------------------------------------------------------------------------- 3. the cache verifies what it serves
-
-
-def test_unpinned_download_is_recorded_and_a_tampered_cache_file_refused(http_server, domainfm_home):
-    import hashlib
-    import warnings
-
-    from domainfm import hub
-
-    body = b"weights" * 1000
-    url = http_server.serve("/free/good.pth", body)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        path = hub.fetch(url, progress=False)
-    digest = hashlib.sha256(body).hexdigest()
-    record = json.loads((domainfm_home / hub.LOCK_FILE_NAME).read_text())
-    assert record["files"][path.relative_to(hub.weights_dir()).as_posix()]["sha256"] == digest
-    assert hub.fetch(url, progress=False) == path  # verified and served from the cache
-    assert http_server.hit_count("/free/good.pth") == 1
-
-    path.write_bytes(b"tampered" + body[8:])
-    tampered = hashlib.sha256(path.read_bytes()).hexdigest()
-    with pytest.raises(hub.ChecksumError) as info:
-        hub.fetch(url, progress=False)
-    assert digest in str(info.value) and tampered in str(info.value) and str(path) in str(info.value)
-    assert http_server.hit_count("/free/good.pth") == 1
-
-
-def test_query_strings_are_cached_apart_and_credentials_stay_out_of_paths(http_server, domainfm_home):
-    import warnings
-
-    from domainfm import hub
-
-    url = http_server.serve("/q/good.pth", b"version one")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        first = hub.fetch(url + "?version=1", progress=False)
-        http_server.serve("/q/good.pth", b"version two")
-        second = hub.fetch(url + "?version=2", progress=False)
-    assert first != second and first.name == second.name == "good.pth"
-    assert first.read_bytes() == b"version one" and second.read_bytes() == b"version two"
-    assert http_server.hit_count("/q/good.pth") == 2
-    assert hub.cache_path_for(url) not in {first, second}
-    secret = hub.cache_path_for("https://alice:s3cret@example.org/w/model.pth?token=abc123")
-    assert "s3cret" not in str(secret) and "abc123" not in str(secret) and "alice" not in str(secret)
-    assert secret != hub.cache_path_for("https://example.org/w/model.pth?token=other")
-    assert secret.is_relative_to(hub.weights_dir() / "url" / "example.org")
-
-
-# --------------------------------------------------------------------------- 5. predict wavetoken
-
-
-def _series_csv(path, n_items=5, length=40, nan_item=None):
-    import numpy as np
-    import pandas as pd
-
-    rng = np.random.default_rng(0)
-    frames = []
-    for i in range(n_items):
-        y = np.sin(np.arange(length) / (2 + i)) + 0.1 * rng.standard_normal(length)
-        if nan_item == i:
-            y[:] = np.nan
-        frames.append(pd.DataFrame({"item_id": f"s{i}", "timestamp": pd.date_range("2020-01-01", periods=length, freq="D"),
-                                    "target": y}))
-    pd.concat(frames).to_csv(path, index=False)
-    return path
-
-
-def test_predict_refuses_an_item_with_no_observation(tmp_path, capsys):
-    src = _series_csv(tmp_path / "in.csv", nan_item=3)
-    out = tmp_path / "out.csv"
-    assert cli.main(["predict", "wavetoken", "--input", str(src), "--prediction-length", "4", "--output", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "item 's3'" in err and "no observed value" in err and str(src) in err and "Traceback" not in err
-    assert not out.exists() and not list(tmp_path.glob(".out.csv.tmp-*"))
-
-
-def test_predict_reads_and_writes_in_chunks_with_the_same_forecasts(tmp_path):
-    import pandas as pd
-
-    src = _series_csv(tmp_path / "in.csv", n_items=70)  # two forecast batches of 64
-    common = ["predict", "wavetoken", "--input", str(src), "--prediction-length", "4", "--num-samples", "4",
-              "--quantiles", "0.1,0.5,0.9"]
-    torch.manual_seed(0)  # the same random-init model each time
-    assert cli.main([*common, "--output", str(tmp_path / "whole.csv"), "--chunk-rows", "1000000"]) == 0
-    torch.manual_seed(0)
-    assert cli.main([*common, "--output", str(tmp_path / "chunked.csv"), "--chunk-rows", "37"]) == 0  # cuts items
-    whole = pd.read_csv(tmp_path / "whole.csv")
-    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "chunked.csv"), whole)
-    assert len(whole) == 70 * 4 and list(whole.item_id.unique()) == [f"s{i}" for i in range(70)]
-    assert list(whole.columns) == ["item_id", "timestamp", "mean", "0.1", "0.5", "0.9"]
-    # items not in contiguous rows are still read (whole-file path) with the same forecasts per item
-    shuffled = pd.read_csv(src).sample(frac=1.0, random_state=0)
-    shuffled.to_csv(tmp_path / "shuffled.csv", index=False)
-    assert cli.main([*common[:3], str(tmp_path / "shuffled.csv"), *common[4:], "--output", str(tmp_path / "sh.csv"),
-                     "--chunk-rows", "37"]) == 0
-    sh = pd.read_csv(tmp_path / "sh.csv")
-    assert sorted(sh.item_id.unique()) == sorted(whole.item_id.unique()) and len(sh) == len(whole)
-
-
-def test_empty_csv_is_an_error_naming_the_file(tmp_path):
-    from domainfm.data_loaders.timeseries import TimeSeriesError, read_long
-
-    (tmp_path / "empty.csv").write_text("")
-    with pytest.raises(TimeSeriesError, match="empty.csv"):
-        read_long(tmp_path / "empty.csv")
