@@ -241,11 +241,10 @@ def _reconstruction_source(ctx) -> str | bool | None:
         return None
     stage = cfg.stages[-1]
     name = f"{len(cfg.stages) - 1}-{stage.family}"
-    for parent in [Path(ctx.run_dir), *list(Path(ctx.run_dir).parents)[:3]]:
-        report = parent / "stages" / name / "report.json"
-        if report.is_file():
-            saved = json.loads(report.read_text()).get("saved_model")
-            return saved if saved and Path(saved).is_dir() else None
+    report = ctx.run_root / "stages" / name / "report.json"
+    if report.is_file():
+        saved = json.loads(report.read_text()).get("saved_model")
+        return saved if saved and Path(saved).is_dir() else None
     return None
 
 

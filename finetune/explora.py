@@ -210,9 +210,7 @@ def class_map_picture(ctx: ArmContext) -> dict[str, Any]:
     path = ctx.run_dir / "class_map.png"
     plot_class_map(result, path, reference=reference,
                    title=f"{ctx.arm}: predicted class map (constructed labels, not ground truth)")
-    root = next((p for p in (ctx.run_dir, *ctx.run_dir.parents[:2]) if (p / "config.yaml").is_file()),
-                ctx.run_dir.parent)
-    return {"pictures": {"class_map": str(path.relative_to(root))}}
+    return {"pictures": {"class_map": str(path.relative_to(ctx.run_root))}}
 
 
 FAMILY = Family(

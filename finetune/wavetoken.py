@@ -386,9 +386,7 @@ def write_forecasts(ctx: ArmContext) -> dict[str, Any]:
     atomic_write_text(path, pd.concat(frames).to_csv(index=False))
     picture = fan_chart(ctx.run_dir / "forecast_fan.png", records,
                         title=f"{ctx.arm}: test forecasts ({getattr(ctx.model, 'domainfm_name', ctx.cfg.model.name)})")
-    # listed relative to the run folder: ctx.run_dir is RUN/<arm> or RUN/<arm>/seedK
-    arm_dir = next((p for p in (ctx.run_dir, *ctx.run_dir.parents) if p.name == ctx.arm.replace(":", "-")), ctx.run_dir)
-    return {"forecasts": str(path), "pictures": {"forecast_fan": str(picture.relative_to(arm_dir.parent))}}
+    return {"forecasts": str(path), "pictures": {"forecast_fan": str(picture.relative_to(ctx.run_root))}}
 
 
 # --------------------------------------------------------------------------- retained capability

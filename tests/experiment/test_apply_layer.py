@@ -100,3 +100,17 @@ def test_pretrained_none_means_random_init():
     for a, b in zip(module.state_dict().values(), fresh.state_dict().values()):
         torch.testing.assert_close(a, b)
     assert ref.model_dir is None and ref.run is None
+
+
+def test_the_run_of_a_model_folder_and_of_an_arm(tmp_path):
+    from domainfm.experiment import ArmContext, RunFolder
+
+    run = tmp_path / "r"
+    (run / "pretrained" / "seed1" / "model").mkdir(parents=True)
+    (run / "config.yaml").write_text("x: 1\n")
+    (run / "report.json").write_text("{}")
+    assert RunFolder.of(run / "pretrained" / "seed1" / "model").path == run
+    assert RunFolder.of(run / "pretrained").path == run and RunFolder.of(tmp_path) is None
+    ctx = ArmContext(None, "random:lora", 0, None, None, run / "random-lora" / "seed2", None, "lora")
+    assert ctx.run_root == run
+    assert ArmContext(None, "pretrained", 0, None, None, run / "pretrained", None, "full").run_root == run

@@ -280,10 +280,8 @@ def test_report_carries_retained_capability_before_and_after(runs):
 
 
 def test_reconstruction_head_comes_from_the_stage_or_is_reported_missing(tmp_path):
-    from types import SimpleNamespace
-
     from domainfm import config as cfgmod
-    from domainfm.experiment import InitInfo, TaskData
+    from domainfm.experiment import ArmContext, InitInfo, TaskData
 
     # an in-process pretraining stage's saved model (with its reconstruction head) is the source
     torch.manual_seed(3)
@@ -295,8 +293,8 @@ def test_reconstruction_head_comes_from_the_stage_or_is_reported_missing(tmp_pat
         "model.name=cbramod-test", "model.kwargs={}", "model.pretrained=null",
         'stages=[{"family": "cbramod", "config": "pretrain_demo"}]']))
     arm_model = create_model("cbramod-test", n_chans=4, n_times=800, n_outputs=3, reconstruction_head=False).eval()
-    ctx = SimpleNamespace(cfg=cfg, run_dir=tmp_path / "run" / "random" / "seed1", model=arm_model,
-                          task=TaskData(None, None), init=InitInfo("random"))
+    ctx = ArmContext(cfg, "random", 1, arm_model, TaskData(None, None), tmp_path / "run" / "random" / "seed1",
+                     InitInfo("random"), "full")
     assert ft._reconstruction_source(ctx) == str(saved)
     out = ft.RETAINED(ctx)
     x, mask = ft.retained_windows(cfg)

@@ -36,6 +36,14 @@ class ArmContext:
     recipe: Recipe | None = None
     results: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def run_root(self) -> Path:
+        """The experiment's folder: ``run_dir`` is ``<root>/<arm>`` or ``<root>/<arm>/seed<k>``
+        (pictures are listed relative to it; in-process stages live in ``<root>/stages``)."""
+        arm_dir = Path(self.run_dir)
+        safe = str(self.arm).replace(":", "-")
+        return next((p.parent for p in (arm_dir, *arm_dir.parents) if p.name == safe), arm_dir.parent)
+
 
 Protocol = Callable[[ArmContext], dict[str, Any]]
 

@@ -116,14 +116,11 @@ def load_model(model: str | Path | nn.Module, *, arm: str | None = None, pretrai
 
 
 def run_root(model: str | Path) -> Path | None:
-    path = Path(str(model))
-    if path.is_dir() and (path / "report.json").is_file() and (path / "config.yaml").is_file():
-        return path
-    # a model folder inside a run (RUN/<arm>/model or RUN/<arm>/seed-k/model)
-    for parent in list(path.parents)[:3]:
-        if (parent / "report.json").is_file() and (parent / "config.yaml").is_file():
-            return parent
-    return None
+    """The run folder ``model`` is or lies in (:meth:`RunFolder.of`)."""
+    from domainfm.experiment.run_folder import RunFolder
+
+    folder = RunFolder.of(Path(str(model)))
+    return None if folder is None else folder.path
 
 
 def run_config(model: str | Path, config_cls: type) -> Any | None:

@@ -67,16 +67,6 @@ def _rel(path: Path, run_root: Path) -> str:
         return path.as_posix()
 
 
-def _run_root(ctx) -> Path:
-    """The run folder of an arm's folder (``RUN/<arm>`` or ``RUN/<arm>/seed<k>``)."""
-    arm_dir = Path(ctx.run_dir)
-    safe = str(ctx.arm).replace(":", "-")
-    for parent in [arm_dir, *arm_dir.parents]:
-        if parent.name == safe:
-            return parent.parent
-    return arm_dir.parent
-
-
 # ----------------------------------------------------------------------------- learning curves
 
 
@@ -274,7 +264,7 @@ def arm_pictures(ctx) -> dict[str, Any]:
     """The pictures every arm gets (after adaptation, on its selected model). A picture whose
     drawing fails is left out with a warning: pictures never end a finished run."""
     arm_dir = Path(ctx.run_dir)
-    root = _run_root(ctx)
+    root = ctx.run_root
     label = f"{ctx.arm} (seed {ctx.seed})"
     pictures: dict[str, str] = {}
     monitor = getattr(getattr(ctx.trainer, "config", None), "monitor", None) or ctx.cfg.train.monitor

@@ -39,6 +39,17 @@ class RunFolder:
     # -- creation ---------------------------------------------------------------------------
 
     @classmethod
+    def of(cls, path: str | os.PathLike) -> "RunFolder | None":
+        """The finished run ``path`` is, or lies in (a model folder ``RUN/<arm>/model`` or
+        ``RUN/<arm>/seed<k>/model``, an arm folder): the nearest folder at most three levels up
+        holding ``config.yaml`` and ``report.json``; None when there is none."""
+        path = Path(path)
+        for candidate in [path, *list(path.parents)[:3]]:
+            if (candidate / "report.json").is_file() and (candidate / "config.yaml").is_file():
+                return cls(candidate)
+        return None
+
+    @classmethod
     def create(cls, path: str | os.PathLike, *, resume: bool = False) -> "RunFolder":
         """A folder for a new run. An existing non-empty folder is refused unless ``resume``
         (a finished run is never overwritten or mixed with another one)."""
