@@ -21,6 +21,7 @@ CASES = [
     ("embed", "stofm", "--batch-size", "0", "must be >= 1"),
     ("embed", "wavetoken", "--batch-size", "0", "must be >= 1"),
     ("predict", "wavetoken", "--num-samples", "0", "must be >= 1"),
+    ("predict", "wavetoken", "--prediction-length", "0", "must be >= 1"),  # used to mean the default, 16
     ("predict", "wavetoken", "--quantiles", "abc", "'abc' is not a number"),
     ("predict", "wavetoken", "--quantiles", "1.5,-0.2", "strictly between 0 and 1"),
     ("predict", "wavetoken", "--quantiles", "0.1,-0.2", "strictly between 0 and 1"),
