@@ -24,24 +24,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import Subset
 
 from domainfm.data_loaders import eeg
 from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.experiment import ModelSection, init_label, resolve
 
 __all__ = ["Config", "ModelSection", "DataSection", "MaskedReconstructionRecipe", "random_patch_mask",
            "masked_reconstruction_error", "run", "evaluate", "build_datasets"]
-
-
-@dataclass
-class ModelSection:
-    name: str = "cbramod-base"
-    #: continue from weights (path, URL, or true for the card's official weights); null: random init
-    pretrained: bool | str | None = None
-    #: extra model keywords (e.g. n_layers for a smaller model)
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _tueg_settings() -> eeg.EEGSettings:
@@ -65,7 +57,7 @@ class DataSection:
 
 @dataclass
 class Config:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelSection = field(default_factory=lambda: ModelSection(name="cbramod-base"))
     data: DataSection = field(default_factory=DataSection)
     mask_ratio: float = 0.5
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
@@ -205,13 +197,13 @@ def _window_shape(dataset) -> tuple[int, int]:
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
-    from domainfm import create_model, lora, save_pretrained
+    from domainfm import lora, save_pretrained
 
     train_ds, val_ds, info = build_datasets(cfg.data, seed=cfg.train.seed)
     n_chans, n_times = _window_shape(train_ds)
     kwargs = {**cfg.model.kwargs, "n_chans": n_chans, "n_times": n_times, "n_outputs": None, "reconstruction_head": True}
-    model = create_model(cfg.model.name, pretrained=cfg.model.pretrained or False, **kwargs)
-    init = "random" if not cfg.model.pretrained else f"pretrained: {cfg.model.pretrained}"
+    model, init_info = resolve(cfg.model.spec(cfg.model.pretrained or False, **kwargs))
+    init = init_label(cfg.model.pretrained, init_info)
     train_cfg = cfg.train
     if val_ds is not None and train_cfg.monitor is None:
         train_cfg = dataclasses.replace(train_cfg, monitor="val/loss", monitor_mode="min")

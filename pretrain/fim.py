@@ -26,13 +26,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.experiment import ModelSection, init_label, resolve
 
 __all__ = ["Config", "ModelSection", "PriorSection", "sample_prior", "SyntheticODEDataset", "FIMRecipe", "fim_loss",
            "run"]
@@ -175,15 +175,8 @@ class FIMRecipe(Recipe):
 
 
 @dataclass
-class ModelSection:
-    name: str = "fim-imputation-base"
-    pretrained: bool | str | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class Config:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelSection = field(default_factory=lambda: ModelSection(name="fim-imputation-base"))
     prior: PriorSection = field(default_factory=PriorSection)
     loss_scales: list[float] = field(default_factory=lambda: [1.0, 1.0, 10.0])
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
@@ -194,12 +187,11 @@ class Config:
 def run(cfg: Config, run_dir: Path) -> dict:
     """Pretrain on the synthetic prior; saves the model to ``run_dir / "model"``."""
     import domainfm
-    from domainfm import create_model
 
     run_dir = Path(run_dir)
     train = SyntheticODEDataset(cfg.prior.n_samples, cfg.prior, seed=cfg.prior.seed)
     val = SyntheticODEDataset(cfg.prior.n_val, cfg.prior, seed=cfg.prior.seed + 1) if cfg.prior.n_val else None
-    model = create_model(cfg.model.name, pretrained=cfg.model.pretrained or False, **cfg.model.kwargs)
+    model, init_info = resolve(cfg.model.spec(cfg.model.pretrained or False))
     train_cfg = cfg.train
     if val is not None and train_cfg.monitor is None:
         import dataclasses
@@ -211,7 +203,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     losses = [r["loss"] for r in result.history if r.get("split") == "train"]
     report = {
         "model": cfg.model.name,
-        "init": "random" if not cfg.model.pretrained else f"pretrained: {cfg.model.pretrained}",
+        "init": init_label(cfg.model.pretrained, init_info),
         "objective": "drift NLL + x0 NLL + {:g} x one-step residual (official FIMImpPointBase loss)".format(
             cfg.loss_scales[2]),
         "prior": f"{cfg.prior.n_samples} synthetic ODE solutions (Chebyshev deg<= {cfg.prior.max_degree} / RBF GP "

@@ -42,16 +42,10 @@ from torch import Tensor, nn
 
 from domainfm.data_loaders import graph as G
 from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.experiment import ModelSection, init_label, resolve
 
 __all__ = ["Config", "ModelSection", "DataSection", "ObjectiveSection", "GITPretrainer", "Predictor",
            "git_pretrain_loss", "corrupt_view", "PretrainRecipe", "run", "pretrain_encoder"]
-
-
-@dataclass
-class ModelSection:
-    name: str = "git-base"
-    overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {hidden_channels: 128}
-    init: str | None = None  # continue from a saved encoder directory / checkpoint
 
 
 @dataclass
@@ -86,7 +80,7 @@ class ObjectiveSection:
 
 @dataclass
 class Config:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelSection = field(default_factory=lambda: ModelSection(name="git-base"))
     data: DataSection = field(default_factory=DataSection)
     objective: ObjectiveSection = field(default_factory=ObjectiveSection)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
@@ -226,14 +220,13 @@ def load_pretraining_graphs(data: DataSection) -> list[G.GraphDataset]:
 
 def pretrain_encoder(cfg: Config, run_dir: Path | None, *, log=print) -> tuple[nn.Module, dict[str, Any]]:
     """Pretrain and return ``(encoder, report)``; also used in-process by the fine-tune entry."""
-    from domainfm import create_model
     from domainfm.zoo import count_parameters
 
     graphs = load_pretraining_graphs(cfg.data)
     width = graphs[0].num_features
-    kwargs = {"in_channels": width, "n_outputs": 0, **cfg.model.overrides}
+    kwargs = {"in_channels": width, "n_outputs": 0, **cfg.model.kwargs}
     torch.manual_seed(cfg.train.seed)  # the initial weights are part of the run: same config, same run
-    encoder = create_model(cfg.model.name, pretrained=cfg.model.init or False, **kwargs)
+    encoder, init_info = resolve(cfg.model.spec(cfg.model.pretrained or False, **kwargs))
     if encoder.in_channels != width:
         raise G.GraphError(f"model {cfg.model.name} takes {encoder.in_channels}-d features but the graphs have {width}")
     table = G.PretrainTaskTable(graphs, cfg.data.task_types, [cfg.data.fanout] * cfg.data.num_hops)
@@ -246,7 +239,7 @@ def pretrain_encoder(cfg: Config, run_dir: Path | None, *, log=print) -> tuple[n
     losses = [r for r in result.history if r.get("split") == "train"]
     report = {
         "model": cfg.model.name,
-        "init": f"pretrained: {cfg.model.init}" if cfg.model.init else "random",
+        "init": init_label(cfg.model.pretrained, init_info),
         "params_encoder": count_parameters(encoder),
         "params_total": count_parameters(module),
         "tasks": len(table),

@@ -41,17 +41,10 @@ from torch.utils.data import Subset
 
 from domainfm.data_loaders import spatial
 from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.experiment import ModelSection, init_label, resolve
 
 __all__ = ["Config", "ModelSection", "CellEncoderSection", "SliceSettings", "DataSection", "MaskingSection", "PretrainCollator",
            "SToFMPretrainRecipe", "build_datasets", "slice_subslices", "run"]
-
-
-@dataclass
-class ModelSection:
-    name: str = "stofm-base"
-    #: continue from weights (path to se2transformer.pth or a save_pretrained folder); null: random init
-    pretrained: bool | str | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,7 +102,7 @@ class MaskingSection:
 
 @dataclass
 class Config:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelSection = field(default_factory=lambda: ModelSection(name="stofm-base"))
     data: DataSection = field(default_factory=DataSection)
     masking: MaskingSection = field(default_factory=MaskingSection)
     pair_loss_weight: float = 1.0
@@ -320,7 +313,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     train_ds, val_ds, info = build_datasets(cfg.data, seed=cfg.train.seed)
     kwargs = {**cfg.model.kwargs, "n_outputs": None, "pretrain_heads": True}
-    model = create_model(cfg.model.name, pretrained=cfg.model.pretrained or False, **kwargs)
+    model, init_info = resolve(cfg.model.spec(cfg.model.pretrained or False, **kwargs))
     train_cfg = cfg.train
     if val_ds is not None and train_cfg.monitor is None:
         train_cfg = dataclasses.replace(train_cfg, monitor="val/loss", monitor_mode="min")
@@ -338,7 +331,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     summary = lora.trainable_summary(model)
     report = {
         "model": cfg.model.name,
-        "init": "random" if not cfg.model.pretrained else f"pretrained: {cfg.model.pretrained}",
+        "init": init_label(cfg.model.pretrained, init_info),
         "objective": "masked cell modelling (cosine, 12%+3%) + pairwise distance recovery (MSE, 12%+3% jittered)",
         "params_total": summary["total"],
         "params_trainable": summary["trainable"],

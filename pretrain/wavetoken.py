@@ -36,6 +36,7 @@ from domainfm.data_loaders.synthetic_series import (
     ts_mixup,
 )
 from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.experiment import ModelSection, init_label, resolve
 
 # The KernelSynth / TSMixup names stay importable from here (benchmarks/wavetoken.py and
 # older code import them from the pretraining module).
@@ -98,16 +99,6 @@ class ForecastRecipe(Recipe):
 
 
 @dataclass
-class ModelSection:
-    """Which model to build: a registered variant with keyword overrides, optionally starting
-    from saved weights (``init``: a directory written by ``save_pretrained``)."""
-
-    name: str = "wavetoken-test"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    init: str | None = None
-
-
-@dataclass
 class DataSection:
     kernel_synth_series: int = 1000
     kernel_synth_length: int = 1024
@@ -129,17 +120,15 @@ class DataSection:
 
 @dataclass
 class Config:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelSection = field(default_factory=lambda: ModelSection(name="wavetoken-test"))
     data: DataSection = field(default_factory=DataSection)
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
 def build_model(section: ModelSection):
-    from domainfm import create_model
-
-    if section.init:
-        return create_model(section.init, **section.kwargs)
-    return create_model(section.name, **section.kwargs)
+    """The model to train and how it was initialised: ``model.pretrained`` a ``save_pretrained``
+    folder of a registered variant, the card's weights (``true``), or null (random init)."""
+    return resolve(section.spec(section.pretrained or False))
 
 
 def _load_extra(paths: list[str]) -> list[np.ndarray]:
@@ -167,7 +156,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     if not 0 <= d.tsmixup_prob <= 1:
         raise ValueError(f"data.tsmixup_prob={d.tsmixup_prob}: expected a probability")
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
+    model, init_info = build_model(cfg.model)
     start = time.perf_counter()
     kernel_synth = generate_kernel_synth(d.kernel_synth_series, length=d.kernel_synth_length, max_kernels=d.max_kernels,
                                          seed=d.seed)
@@ -193,7 +182,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     saved = str(save_pretrained(model, run_dir / "model"))
     report = {
         "model": getattr(model, "domainfm_name", cfg.model.name),
-        "init": f"pretrained: {cfg.model.init}" if cfg.model.init else "random",
+        "init": init_label(cfg.model.pretrained, init_info),
         **parameter_counts(model),
         "steps": result.global_step,
         "kernel_synth_series": d.kernel_synth_series,

@@ -32,7 +32,6 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -41,17 +40,10 @@ from torch.utils.data import Dataset
 
 from domainfm.data_loaders import wearables as W
 from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.experiment import ModelSection, init_label, resolve
 
 __all__ = ["Config", "ModelSection", "DataSection", "AugmentSection", "WeekDataset", "ContrastiveRecipe", "augment",
            "info_nce", "load_weeks", "run", "evaluate"]
-
-
-@dataclass
-class ModelSection:
-    name: str = "wbm-base"
-    #: continue from weights (path or URL); null: random init
-    pretrained: bool | str | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,7 +85,7 @@ class AugmentSection:
 
 @dataclass
 class Config:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelSection = field(default_factory=lambda: ModelSection(name="wbm-base"))
     data: DataSection = field(default_factory=DataSection)
     augment: AugmentSection = field(default_factory=AugmentSection)
     temperature: float = 0.1
@@ -311,7 +303,7 @@ def build_datasets(cfg: Config):
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
-    from domainfm import create_model, lora, save_pretrained
+    from domainfm import lora, save_pretrained
 
     run_dir = Path(run_dir)
     train_ds, val_ds, variables, stats, info = build_datasets(cfg)
@@ -319,7 +311,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         raise ValueError(f"contrastive pretraining needs at least 2 training weeks, got {len(train_ds)}")
     kwargs = {**cfg.model.kwargs, "n_chans": len(variables), "n_times": 168, "variables": variables,
               "n_outputs": None}
-    model = create_model(cfg.model.name, pretrained=cfg.model.pretrained or False, **kwargs)
+    model, init_info = resolve(cfg.model.spec(cfg.model.pretrained or False, **kwargs))
     if stats is not None:
         model.set_zscore(stats.mean, stats.std)
     train_cfg = cfg.train
@@ -335,7 +327,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     summary = lora.trainable_summary(model)
     report = {
         "model": cfg.model.name,
-        "init": "random" if not cfg.model.pretrained else f"pretrained: {cfg.model.pretrained}",
+        "init": init_label(cfg.model.pretrained, init_info),
         "objective": f"InfoNCE between two augmented views (positives: {cfg.positives}, temperature "
                      f"{cfg.temperature})",
         "params_total": summary["total"],

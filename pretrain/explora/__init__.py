@@ -22,6 +22,7 @@ from torch import nn
 
 from domainfm import lora
 from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.experiment import ModelSection
 from domainfm.pretrain.explora.dino import (
     DINOHead,
     DinoPretrainer,
@@ -74,15 +75,8 @@ __all__ = [
 # ============================================================================ config
 
 
-@dataclass
-class ModelSection:
-    name: str = "explora-test"
-    #: a file/dir/URL for ``create_model(pretrained=...)``, ``true`` for the card's source, or null
-    pretrained: bool | str | None = None
-    #: what to do when the weights cannot be had offline: ``error`` or ``random`` (explicit)
-    pretrained_fallback: str = "error"
-    kwargs: dict = field(default_factory=dict)
-    drop_path_rate: float = 0.3
+#: stochastic depth of extended pretraining unless model.kwargs sets drop_path_rate (the paper's ViT-L: 0.3)
+DROP_PATH_RATE = 0.3
 
 
 @dataclass
@@ -117,7 +111,7 @@ class DataSection:
 @dataclass
 class Config:
     objective: str = "dino"
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelSection = field(default_factory=lambda: ModelSection(name="explora-test"))
     adapter: AdapterSection = field(default_factory=AdapterSection)
     data: DataSection = field(default_factory=DataSection)
     dino: DinoSection = field(default_factory=DinoSection)
@@ -131,8 +125,6 @@ class Config:
     def __post_init__(self):
         if self.objective not in {"dino", "mae"}:
             raise ValueError(f"objective={self.objective!r}: expected 'dino' or 'mae'")
-        if self.model.pretrained_fallback not in {"error", "random"}:
-            raise ValueError(f"model.pretrained_fallback={self.model.pretrained_fallback!r}: expected 'error' or 'random'")
 
 
 # ============================================================================ entry
@@ -140,13 +132,12 @@ class Config:
 
 def build_backbone(section: ModelSection, *, extra_kwargs: dict | None = None) -> tuple[nn.Module, str]:
     """The backbone with the config's weights, through :func:`domainfm.experiment.resolve`
-    (upstream files go through the card's converter; ``pretrained_fallback: random`` only covers
+    (upstream files go through the card's converter; ``model.fallback: random`` only covers
     the card's own source being unreachable). Returns ``(model, init line)``, ``"random"`` when no
     weights were asked for."""
-    from domainfm.experiment import ModelSpec, resolve
+    from domainfm.experiment import resolve
 
-    kwargs = {**section.kwargs, **(extra_kwargs or {})}
-    model, init = resolve(ModelSpec(section.name, section.pretrained, section.pretrained_fallback, kwargs))
+    model, init = resolve(section.spec(section.pretrained, **(extra_kwargs or {})))
     return model, str(init) if section.pretrained else "random"
 
 
@@ -205,7 +196,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
-    extra = {"n_outputs": 0, "drop_path_rate": cfg.model.drop_path_rate}
+    extra = {"n_outputs": 0, "drop_path_rate": cfg.model.kwargs.get("drop_path_rate", DROP_PATH_RATE)}
     if cfg.objective == "dino":
         extra["dynamic_img_size"] = True
     backbone, init = build_backbone(cfg.model, extra_kwargs=extra)

@@ -120,7 +120,7 @@ def test_finetune_cli_edge_task_lora_sft_zero_shot(tmp_path):
                        "model.kwargs={hidden_channels: 384}", "protocols.in_context=false", "protocols.sft=true",
                        "adapt.mode=lora", "protocols.sft_steps=2", "arms=[pretrained]", "train.monitor=val/accuracy",
                        "train.max_epochs=1", "train.batch_size=64", "data.train_fanout=3",
-                       STAGE.replace("train.max_steps=2", "train.max_steps=2, 'model.overrides={hidden_channels: 384}'"),
+                       STAGE.replace("train.max_steps=2", "train.max_steps=2, 'model.kwargs={hidden_channels: 384}'"),
                        name="edge")
     arm = report["arms"]["pretrained"]
     assert report["data"]["graph_task"] == "edge" and list(report["arms"]) == ["pretrained"]

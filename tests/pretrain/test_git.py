@@ -79,7 +79,7 @@ def test_corrupt_view_masks_columns_and_keeps_root_edges():
 def test_pretrain_cli_runs_and_writes_encoder(tmp_path):
     from domainfm import create_model
 
-    rc = main(["pretrain", "git", "model.name=git-test", "model.overrides={hidden_channels: 16}",
+    rc = main(["pretrain", "git", "model.name=git-test", "model.kwargs={hidden_channels: 16}",
                "data.datasets=[karate, nations]", "train.max_steps=3", "train.batch_size=64", "train.lr=1e-2",
                "--runs-dir", str(tmp_path), "--name", "pt"])
     assert rc == 0

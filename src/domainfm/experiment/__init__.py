@@ -26,10 +26,10 @@ from domainfm.experiment.family import ArmContext, Family, Retained, run_stage
 from domainfm.experiment.report import aggregate_seeds, format_table, print_table, to_markdown
 from domainfm.experiment.run_folder import RunFolder, RunFolderError
 from domainfm.experiment.task import TaskData
-from domainfm.experiment.weights import InitInfo, ModelSpec, WeightsUnavailable, resolve
+from domainfm.experiment.weights import InitInfo, ModelSpec, WeightsUnavailable, init_label, resolve
 
 __all__ = [
     "ADAPT_MODES", "ARM_INITS", "INTERPOLATIONS", "SAMPLE_WEIGHTINGS", "AdaptSection", "ArmContext", "ExperimentConfig", "Family", "InitInfo", "ModelSection",
     "ModelSpec", "Retained", "RunFolder", "RunFolderError", "StageSection", "TaskData", "WeightsUnavailable", "aggregate_seeds",
-    "format_table", "print_table", "resolve", "run_stage", "to_markdown",
+    "format_table", "init_label", "print_table", "resolve", "run_stage", "to_markdown",
 ]

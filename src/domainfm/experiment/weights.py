@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ModelSpec", "InitInfo", "resolve", "WeightsUnavailable", "FALLBACKS"]
+__all__ = ["ModelSpec", "InitInfo", "resolve", "init_label", "WeightsUnavailable", "FALLBACKS"]
 
 FALLBACKS = ("error", "random")
 
@@ -112,3 +112,12 @@ def _fallback(spec: ModelSpec, reason: str, log) -> tuple[nn.Module, InitInfo]:
     log(f"[domainfm] pretrained weights of {spec.name} unavailable ({reason}); model.fallback=random: "
         "training from RANDOM initialisation (the report says init: random)")
     return hub.create_model(spec.name, **spec.kwargs), InitInfo("random", reason=f"fallback: {reason}")
+
+
+def init_label(pretrained: bool | str | None, info: InitInfo) -> str:
+    """A pretraining report's ``init``: ``random``, ``pretrained: <source asked for>``, or the
+    fallback taken instead of it."""
+    if not pretrained:
+        return "random"
+    return f"pretrained: {pretrained}" if info.kind == "pretrained" else str(info)
+
