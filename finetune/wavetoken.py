@@ -53,7 +53,7 @@ from domainfm.data_loaders.timeseries import HeldOutWindows
 from domainfm.engine import Recipe, Trainer
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
 from domainfm.experiment import apply
-from domainfm.experiment.forecast_metrics import forecast_scores
+from domainfm.experiment.forecast_metrics import forecast_scores, sample_quantiles
 from domainfm.experiment.inference import quantile_levels
 from domainfm.experiment.pictures import fan_chart, fan_figure
 from domainfm.lora.settings import LoraSettings
@@ -202,10 +202,9 @@ def model_forecast(model, context: torch.Tensor, prediction_length: int, eval_cf
 
 
 def _quantiles_of(forecast: dict[str, np.ndarray], levels) -> tuple[np.ndarray, np.ndarray]:
-    """(B, H, Q) quantiles at ``levels`` and (B, H) mean of a :func:`model_forecast` result."""
+    """(B, H, Q) quantiles at ``levels`` (of samples: GluonTS's rule) and (B, H) mean of a model_forecast result."""
     if "samples" in forecast:
-        s = forecast["samples"]
-        return np.moveaxis(np.quantile(s, [float(q) for q in levels], axis=1), 0, -1), s.mean(1)
+        return sample_quantiles(forecast["samples"], levels), forecast["samples"].mean(1)
     return forecast["quantiles"], forecast["mean"]
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from gluonts.model.forecast import SampleForecast
 
 from domainfm import cli, config as cfgmod, create_model, save_pretrained
 from domainfm.engine import Trainer
@@ -217,7 +218,10 @@ def test_quantile_forecasts_score_like_the_samples_they_summarise():
     rng = np.random.default_rng(0)
     samples = rng.normal(8.0, 3.0, size=(2, 50, 2))
     levels = [0.1, 0.5, 0.9]
-    quantiles = np.moveaxis(np.quantile(samples, levels, axis=1), 0, -1)  # (N, H, Q)
+    # the samples' quantiles as GluonTS takes them (SampleForecast.quantile: a sorted sample, no interpolation)
+    quantiles = np.stack([np.stack([SampleForecast(samples=paths, start_date=pd.Period("2000-01-01", freq="D"))
+                                    .quantile(q) for q in levels], axis=-1) for paths in samples])  # (N, H, Q)
+    assert not np.allclose(quantiles, np.moveaxis(np.quantile(samples, levels, axis=1), 0, -1))  # 50 samples: differ
     by_samples = forecast_scores(windows, samples, levels)
     by_quantiles = forecast_scores(windows, None, levels, quantiles=quantiles)
     assert by_quantiles == pytest.approx(by_samples, rel=1e-12)
@@ -325,6 +329,28 @@ def test_predict_and_embed_through_the_cli_on_the_shipped_series(tmp_path, saved
     table = pd.read_csv(tmp_path / "e.csv")
     assert list(table.columns) == ["item_id"] + [f"e{j}" for j in range(model.d_model)]
     assert np.allclose(table.iloc[:, 1:].to_numpy(), z["embedding"], atol=1e-5)
+
+
+def test_predicted_quantiles_are_gluonts_quantiles_of_the_models_own_sample_paths(saved_models):
+    """predict (and forecasts.csv, the fan charts: the same _quantiles_of) take a sampling model's quantiles as
+    GluonTS's SampleForecast.quantile does: a sorted sample path, no interpolation."""
+    from domainfm.data_loaders.timeseries import left_pad_batch, load_sample
+
+    folder, levels, ev = saved_models["wavetoken-test"], [0.1, 0.25, 0.5, 0.75, 0.9], W.EvalSection(num_samples=20)
+    series = load_sample()[:4]
+    pred = W.predict(series, folder, prediction_length=6, num_samples=20, seed=0, quantile_levels=levels,
+                     precision="32-true")
+    model = create_model(folder).eval()
+    samples = W.model_forecast(model, left_pad_batch([s["target"] for s in series], model.context_length), 6, ev)
+    for s, paths in zip(series, samples["samples"]):
+        rows = pred[pred.item_id == s["item_id"]]
+        forecast = SampleForecast(samples=paths, start_date=pd.Period(rows.timestamp.iloc[0], freq="M"))
+        expected = np.stack([forecast.quantile(q) for q in levels], axis=-1)
+        np.testing.assert_allclose(rows[[str(q) for q in levels]].to_numpy(), expected, rtol=1e-6)
+        np.testing.assert_allclose(rows["mean"].to_numpy(), forecast.mean, rtol=1e-6)
+    # 20 paths: linear interpolation (np.quantile, used before) gives other values
+    interpolated = np.moveaxis(np.quantile(samples["samples"], levels, axis=1), 0, -1).reshape(-1, len(levels))
+    assert not np.allclose(pred[[str(q) for q in levels]].to_numpy(), interpolated, rtol=1e-6)
 
 
 def test_bad_input_is_the_loaders_one_line_error_and_writes_nothing(tmp_path, capsys, saved_models):
