@@ -5,9 +5,10 @@ wall-clock hours** (each record placed by its own UTC offset, so nights stay nig
 and daylight-saving changes), one float column per variable, and **NaN where an hour has no record
 of a variable** (never 0).
 
-* :func:`read_healthkit` — Apple Health ``export.xml`` or the unzipped ``apple_health_export/``
-  folder (streamed in bounded memory; a regex fast path over byte chunks, expat for the prolog and
-  as the reference engine).
+* :func:`read_healthkit` — Apple Health's ``export.zip`` as the Health app shares it (its
+  ``export.xml`` streamed from the archive, never unpacked to disk), the ``export.xml`` itself or the
+  unzipped ``apple_health_export/`` folder (streamed in bounded memory; a regex fast path over byte
+  chunks, expat for the prolog and as the reference engine).
 * :func:`read_fitbit` — Fitbit's account export (JSON files per measure, ``steps-2020-01-01.json``).
 * :func:`read_long` — a long CSV/Parquet file or DataFrame ``timestamp, variable, value``.
 * :func:`aggregate_minutes` / :func:`read_actigraphy` — minute-level actigraphy to hours.
@@ -43,7 +44,9 @@ Apple Health rules (all tested in ``tests/data_loaders/test_wearables.py``):
 
 Security: the export carries an internal DTD; entity declarations of any kind (external entities
 that would read files, or nested internal ones that expand exponentially) are refused with an
-error, and external DTDs and parameter entities are never loaded.
+error, and external DTDs and parameter entities are never loaded. The same holds for the
+``export.xml`` inside ``export.zip``: it is decompressed as it is read (memory bounded, nothing
+written to disk, so a zip bomb costs time, never disk), and its CRC is checked at its end.
 """
 from __future__ import annotations
 
@@ -51,6 +54,9 @@ import gc
 import json
 import os
 import re
+import zipfile
+import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import compress
 from pathlib import Path
@@ -377,6 +383,7 @@ def _assemble(pieces: Mapping[str, pd.Series], variables: Sequence[str], lo=None
 
 
 _CHUNK = 1 << 23  # bytes read at a time by the fast path (8 MiB; memory does not grow with the file)
+_MAX_GAP = 1 << 24  # bytes without a '<' the fast path carries over before it hands the file to expat
 
 #: a Record start tag in the attribute order the Health app writes (type, sourceName,
 #: sourceVersion, device, unit, creationDate, startDate, endDate, value); groups: type, sourceName,
@@ -512,13 +519,69 @@ def healthkit_export_file(folder: str | os.PathLike) -> Path | None:
     return None
 
 
+_ZIP_MEMBER = "apple_health_export/export.xml"  # where the Health app puts it in export.zip
+
+
+def _zip_member(archive: zipfile.ZipFile, path: Path) -> zipfile.ZipInfo:
+    """The ``export.xml`` of Apple Health's ``export.zip``: ``apple_health_export/export.xml``, else
+    the one ``export.xml`` at any depth (a re-zipped export; macOS's ``__MACOSX/`` copies ignored)."""
+    files = [i for i in archive.infolist() if not i.is_dir()]
+    names = [i.filename.replace("\\", "/") for i in files]
+    found = [i for i, n in zip(files, names) if (n == "export.xml" or n.endswith("/export.xml"))
+             and not n.startswith("__MACOSX/")]
+    chosen = [i for i in found if i.filename == _ZIP_MEMBER] or found
+    if not chosen:
+        held = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise HealthDataError(f"{path}: no export.xml in this zip (expected {_ZIP_MEMBER}, as the Health app writes "
+                              f"export.zip); it holds {held or 'nothing'}")
+    if len(chosen) > 1:
+        listed = ", ".join(i.filename for i in chosen)
+        raise HealthDataError(f"{path}: {len(chosen)} export.xml files in this zip ({listed}); expected one (Apple "
+                              "Health's export.zip); unzip it and pass the one to read")
+    return chosen[0]
+
+
+@contextmanager
+def _export_stream(path: Path):
+    """``(binary file, name for messages, size in bytes)`` of an ``export.xml``, or of the one inside
+    an ``export.zip`` (named ``export.zip/apple_health_export/export.xml``, as :class:`zipfile.Path`
+    does), decompressed as it is read: never extracted to disk."""
+    if path.suffix.lower() != ".zip":
+        with open(path, "rb") as f:
+            yield f, path, path.stat().st_size
+        return
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as exc:
+        raise HealthDataError(f"{path}: not a readable zip archive ({exc}); expected Apple Health's export.zip") \
+            from None
+    with archive:
+        info = _zip_member(archive, path)
+        where = f"{path}/{info.filename}"
+        if info.flag_bits & 0x1:
+            raise HealthDataError(f"{where}: the member is encrypted; expected Apple Health's export.zip (not "
+                                  "encrypted): unzip it and pass the folder")
+        try:
+            f = archive.open(info)
+        except NotImplementedError as exc:  # e.g. Deflate64, which some zip tools use for large files
+            raise HealthDataError(f"{where}: {exc} (compression method {info.compress_type}); unzip it and pass "
+                                  "the folder") from None
+        except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+            raise HealthDataError(f"{where}: damaged zip archive ({exc})") from None
+        with f:
+            try:
+                yield f, where, info.file_size
+            except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # bad CRC, corrupt or truncated data
+                raise HealthDataError(f"{where}: damaged zip archive ({exc})") from None
+
+
 def read_healthkit(path: str | os.PathLike, *, variables: Iterable[str] | None = None, start=None, end=None,
                    batch_size: int = 200_000, return_stats: bool = False, engine: str = "fast"):
     """Read an Apple Health ``export.xml`` into an hourly table (rules in the module docstring).
 
-    The file is streamed in bounded memory (no tree is built): records of interest are buffered
-    ``batch_size`` at a time and folded, vectorised, into per-hour accumulators, so memory depends
-    on the number of hours and sources, not on the file.
+    The file is streamed in bounded memory, from ``export.zip`` too (no tree is built): records of
+    interest are buffered ``batch_size`` at a time and folded, vectorised, into per-hour
+    accumulators, so memory depends on the number of hours and sources, not on the file.
 
     Two engines read the records. ``"fast"`` (default, ~10x expat): expat checks the prolog (XML
     declaration, DOCTYPE and its internal DTD, the <HealthData> root); the body is read in 8 MiB
@@ -535,7 +598,9 @@ def read_healthkit(path: str | os.PathLike, *, variables: Iterable[str] | None =
     per element; the reference the fast path is tested against).
 
     Args:
-        path: the ``export.xml`` file (the ``apple_health_export`` folder's main file), or a folder
+        path: ``export.zip`` as the Health app shares it (its ``apple_health_export/export.xml``
+            is streamed from the archive; errors name it ``export.zip/apple_health_export/export.xml``),
+            the ``export.xml`` file (the ``apple_health_export`` folder's main file), or a folder
             holding it (see :func:`healthkit_export_file`).
         variables: columns to produce (default :data:`VARIABLES`); records of other types are skipped.
         start, end: keep hours in ``[start, end)`` (local wall-clock, anything ``pandas.Timestamp`` reads).
@@ -548,8 +613,9 @@ def read_healthkit(path: str | os.PathLike, *, variables: Iterable[str] | None =
 
     Raises:
         HealthDataError: not an Apple Health export, malformed or truncated XML, an entity
-        declaration, a missing attribute, a bad date, value or unit. The message names the file
-        and, where it has one, the line.
+        declaration, a missing attribute, a bad date, value or unit; a zip that is damaged or
+        holds no ``export.xml``. The message names the file (and the zip's member) and, where it
+        has one, the line.
     """
     path = Path(path)
     if path.is_dir():
@@ -564,13 +630,13 @@ def read_healthkit(path: str | os.PathLike, *, variables: Iterable[str] | None =
     if batch_size < 1:
         raise ValueError(f"read_healthkit: batch_size={batch_size}: expected a positive integer")
     if not path.is_file():
-        raise HealthDataError(f"{path}: no such file (expected Apple Health's export.xml)")
+        raise HealthDataError(f"{path}: no such file (expected Apple Health's export.zip or export.xml)")
     var_id = {v: i for i, v in enumerate(variables)}
     wanted: dict[str, int] = {t: var_id[c] for t, (c, _, _) in HEALTHKIT_TYPES.items() if c in var_id}
     if any(v in var_id for v in SLEEP):
         wanted[SLEEP_TYPE] = -1
-    with open(path, "rb") as f:
-        prolog = _check_prolog(f, path)
+    with _export_stream(path) as (f, where, size):
+        prolog = _check_prolog(f, where)
         table = state = None
         if engine == "fast" and prolog["exact"]:
             builder = _HourlyBuilder(variables, start, end)
@@ -578,7 +644,7 @@ def read_healthkit(path: str | os.PathLike, *, variables: Iterable[str] | None =
             collecting = gc.isenabled()
             gc.disable()  # millions of short-lived tuples make the cyclic collector run often for nothing
             try:
-                _read_fast(f, path, prolog, builder, wanted, batch_size, state)
+                _read_fast(f, where, prolog, builder, wanted, batch_size, state)
                 table = builder.table()
             except _UseExpat:
                 table = None
@@ -589,10 +655,10 @@ def read_healthkit(path: str | os.PathLike, *, variables: Iterable[str] | None =
             f.seek(0)
             builder = _HourlyBuilder(variables, start, end)
             state = {"records": 0, "used": 0, "engine": "expat"}
-            _read_expat(f, path, builder, wanted, batch_size, state)
+            _read_expat(f, where, builder, wanted, batch_size, state)
             table = builder.table()
     if return_stats:
-        return table, {**state, "bytes": path.stat().st_size}
+        return table, {**state, "bytes": size}
     return table
 
 
@@ -628,6 +694,8 @@ def _read_fast(f, path, prolog: dict, builder: "_HourlyBuilder", wanted: dict[st
         del data
         cut = buf.rfind(b"<")  # a tag never contains '<': everything before the last one is whole tags
         if cut <= 0:
+            if len(buf) > _MAX_GAP:  # a zip bomb's filler: expat streams it in bounded memory
+                raise _UseExpat("no tag in 16 MiB")
             carry = buf
             continue
         part, carry = buf[:cut], buf[cut:]
@@ -1224,13 +1292,13 @@ def cohort_weeks(tables: Sequence[pd.DataFrame], variables: Sequence[str], *, mi
             pd.DatetimeIndex([s for w in cut for s in w.week_starts]))
 
 
-_SOURCES = ("an Apple Health export.xml or its apple_health_export folder, a long CSV/Parquet (timestamp, variable, "
-            "value) or a Fitbit folder")
+_SOURCES = ("an Apple Health export.zip, its export.xml or its apple_health_export folder, a long CSV/Parquet "
+            "(timestamp, variable, value) or a Fitbit folder")
 
 
 def read_participant(source, variables: Sequence[str], *, tz: str | None = None) -> pd.DataFrame:
     """One participant's hourly table, the reader chosen by the source: an Apple Health
-    ``export.xml`` or the folder holding it (:func:`read_healthkit`), a Fitbit export folder
+    ``export.zip``, its ``export.xml`` or the folder holding it (:func:`read_healthkit`), a Fitbit export folder
     (:func:`read_fitbit`; ``tz`` its zone), a long CSV/Parquet file or DataFrame ``timestamp,
     variable, value`` (:func:`read_long`), or an hourly table (a DataFrame indexed by hours).
     ``variables``: the columns wanted; the source must hold at least one of them."""
@@ -1245,7 +1313,7 @@ def read_participant(source, variables: Sequence[str], *, tz: str | None = None)
         table = read_fitbit(path, variables=known or None, tz=tz)
     elif not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (expected {_SOURCES})")
-    elif path.suffix.lower() == ".xml":
+    elif path.suffix.lower() in (".xml", ".zip"):
         table = read_healthkit(path, variables=known)
     elif path.suffix.lower() in (".csv", ".parquet"):
         table = read_long(path)

@@ -389,8 +389,8 @@ def _embed(data, model, settings: ApplySettings, options, run: apply.Runtime) ->
 
 APPLY = apply.Applier(
     family="wearables",
-    input="an Apple Health export.xml (or its unzipped apple_health_export folder), a long CSV/Parquet (timestamp, "
-          "variable, value) or a Fitbit export folder of one participant",
+    input="an Apple Health export.zip (or its export.xml, or the apple_health_export folder it unzips to), a long "
+          "CSV/Parquet (timestamp, variable, value) or a Fitbit export folder of one participant",
     read=_read, settings=_settings, options=ApplyOptions, batch_size=64,
     predict=apply.Command(_predict, apply.TABLE,
                           what="Per-week predictions of a fine-tuned WBM (CSV: week_start, week_end, hours_observed, "

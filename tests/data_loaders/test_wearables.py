@@ -356,13 +356,10 @@ def test_to_weeks_shapes_zscore_and_mask():
     np.testing.assert_array_equal(again.values, values)
 
 
-def test_fast_engine_equals_expat_on_tricky_exports(tmp_path):
-    """The regex fast path against expat (the reference engine) on an export with every form a
-    Record tag may take: character references and the five entities in attribute values, other
-    attribute orders, single quotes, extra spaces and line breaks inside a tag, children, other
-    elements, unwanted types, and enough records to cut tags at chunk boundaries."""
-    import domainfm.data_loaders.wearables as module
-
+def tricky_records() -> list[str]:
+    """466 records (and two other elements) in every form a Record tag may take: character
+    references and the five entities in attribute values, other attribute orders, single quotes,
+    extra spaces and line breaks inside a tag, children, other elements, unwanted types."""
     rng = np.random.default_rng(1)
     lines = [' <Workout workoutActivityType="HKWorkoutActivityTypeRunning" duration="30" '
              'startDate="2024-01-01 06:00:00 +0000" endDate="2024-01-01 06:30:00 +0000"/>\n',
@@ -395,6 +392,17 @@ def test_fast_engine_equals_expat_on_tricky_exports(tmp_path):
         else:
             lines.append(rec("OxygenSaturation", sd, sd, round(float(rng.uniform(0.9, 1.0)), 3), unit="%",
                              source=src))
+    return lines
+
+
+def test_fast_engine_equals_expat_on_tricky_exports(tmp_path):
+    """The regex fast path against expat (the reference engine) on an export with every form a
+    Record tag may take: character references and the five entities in attribute values, other
+    attribute orders, single quotes, extra spaces and line breaks inside a tag, children, other
+    elements, unwanted types, and enough records to cut tags at chunk boundaries."""
+    import domainfm.data_loaders.wearables as module
+
+    lines = tricky_records()
     path = export(tmp_path, *lines)
     reference, ref_stats = W.read_healthkit(path, engine="expat", return_stats=True)
     original = module._CHUNK
@@ -462,7 +470,7 @@ def test_participant_weeks_from_any_source_are_the_tables_unscaled_weeks(tmp_pat
     with pytest.raises(W.HealthDataError, match=r"none of the model's variables \['spo2'\]"):
         W.participant_weeks(tmp_path / "p.csv", ["spo2"])
     (tmp_path / "p.json").write_text("{}")
-    with pytest.raises(W.HealthDataError, match=r"p\.json: expected an Apple Health export.xml.*got '\.json'"):
+    with pytest.raises(W.HealthDataError, match=r"p\.json: expected an Apple Health export\.zip, its export\.xml.*got '\.json'"):
         W.participant_weeks(tmp_path / "p.json", variables)
 
 
