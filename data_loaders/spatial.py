@@ -24,7 +24,7 @@ The pipeline of SToFM (ICML 2025; official code github.com/PharMolix/SToFM, ``pr
 5. :func:`collate_subslices` pads a batch with token type 3.
 
 Per-cell tasks and outputs: :func:`read_cells` (a slice whose ``obs_names`` key an output),
-:func:`check_key_added` (an ``obsm`` output slot), :func:`obs_labels`, :func:`stratified_split`,
+:func:`check_key_added` (an ``obsm`` output slot), :func:`check_anndata`, :func:`obs_labels`, :func:`stratified_split`,
 :class:`CellTaskDataset`, and the baselines' :func:`expression_baselines` / :func:`leiden_clusters`.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ import scipy.sparse as sp
 import torch
 
 __all__ = ["SpatialDataError", "GeneVocabulary", "samples_dir", "read_spatial", "read_visium", "read_h5ad", "validate",
-           "check_unique_obs_names", "read_cells", "check_key_added", "obs_labels", "stratified_split",
+           "check_unique_obs_names", "read_cells", "check_key_added", "check_anndata", "obs_labels", "stratified_split",
            "leiden_clusters", "expression_baselines", "CellTaskDataset",
            "normalize_coordinates", "gene_ensembl_ids", "tokenize", "TokenizedCells", "split_micro",
            "hypernodes", "subslice_distances", "build_subslices", "collate_subslices", "SubsliceDataset",
@@ -194,6 +194,17 @@ def check_key_added(adata, key_added: str, *, spatial_key: str, embedding_key: s
         raise InputError(f"{where}: obsm[{key_added!r}] already holds data of shape "
                          f"{tuple(np.shape(adata.obsm[key_added]))}; choose another key (default 'X_stofm'), "
                          f"or pass {'--overwrite' if cli else 'overwrite=True'} to replace it")
+
+
+def check_anndata(adata, where: str) -> None:
+    """Refuse anything but an AnnData where a function writes into one (``where``: the argument,
+    named in the error): scanpy-style functions take the object, never a path."""
+    import anndata as ad
+
+    if not isinstance(adata, ad.AnnData):
+        hint = (": read the file first (domainfm.data_loaders.spatial.read_cells), or pass the path to "
+                "domainfm.embed / domainfm.predict") if isinstance(adata, (str, Path)) else ""
+        raise TypeError(f"{where}: expected an AnnData, got {type(adata).__name__}{hint}")
 
 
 def _read_slice_file(path: Path):

@@ -3,7 +3,8 @@
 the baselines a scanpy user would run first.
 
 - :func:`embed`: scanpy-style; ``adata`` first, keyword-only options, cell embeddings written to
-  ``adata.obsm[key_added]`` in ``obs_names`` order; nothing else in ``adata`` changes.
+  ``adata.obsm[key_added]`` in ``obs_names`` order (``copy=True``: into a copy, returned); nothing
+  else in ``adata`` changes; same ``seed``, same embedding (random inits included).
 - ``domainfm predict|embed stofm`` and ``domainfm.predict|embed`` (:data:`APPLY`, on the shared
   apply layer): per-cell class probabilities (a table) and embeddings (``.h5ad`` or ``.npz``).
 - Per-cell classification: the slice's sub-slices are the context; cells are split at random
@@ -295,7 +296,7 @@ def _read(source, settings: InferenceSettings, options: ApplyOptions | None) -> 
     changes: dict[str, Any] = {k: getattr(options, k) for k in ("spatial_key", "layer", "embedding_key",
                                                                "cells_per_subslice") if getattr(options, k) is not None}
     if options.cell_encoder is not None:
-        changes["cell_encoder"] = _encoder_section(options.cell_encoder)
+        changes["cell_encoder"] = _encoder_section(options.cell_encoder, settings.data.cell_encoder.seed)
     data = dataclasses.replace(settings.data, **changes)
     spatial.validate(adata, spatial_key=data.spatial_key, layer=data.layer, source=where)
     if options.embedding_key is not None and options.embedding_key not in adata.obsm:
@@ -393,8 +394,10 @@ def embed(adata, model: str | nn.Module = "stofm-base", *, key_added: str = "X_s
           batch_size: int = 4, cell_encoder: str | nn.Module | None = None, embedding_key: str | None = None,
           spatial_key: str = "spatial", layer: str | None = None, gene_id_key: str | None = None,
           cells_per_subslice: int = 1000, leiden_resolution: float = 1.0, alpha: float = 0.2, knn: int = 50,
-          seed: int = 0) -> None:
-    """Write SToFM cell embeddings ``(n_obs, d)`` (fp32) to ``adata.obsm[key_added]``.
+          seed: int = 0, copy: bool = False):
+    """Write SToFM cell embeddings ``(n_obs, d)`` (fp32) to ``adata.obsm[key_added]``; scanpy's
+    convention: None (written into ``adata``), or with ``copy=True`` a new AnnData holding them
+    (``adata`` untouched).
 
     Args:
         adata: a slice with counts in ``X`` (or ``layer``) and ``obsm[spatial_key]``.
@@ -410,23 +413,28 @@ def embed(adata, model: str | nn.Module = "stofm-base", *, key_added: str = "X_s
             randomly initialised ``stofm-cell-encoder`` (with a warning).
         embedding_key: use precomputed cell-encoder embeddings from ``obsm`` instead.
         cells_per_subslice, leiden_resolution, alpha, knn, seed: sub-slice construction
-            (:func:`domainfm.data_loaders.spatial.build_subslices`).
+            (:func:`domainfm.data_loaders.spatial.build_subslices`); ``seed`` also initialises a
+            model or cell encoder given as a registered name (``torch.manual_seed(seed)``).
+        copy: write into a copy of ``adata`` and return it (scanpy's ``copy=``).
     """
-    transformer, bundled = _resolve_model(model)
+    spatial.check_anndata(adata, "embed(adata=...)")
+    transformer, bundled = _resolve_model(model, seed)
     given = cell_encoder if isinstance(cell_encoder, nn.Module) else None
-    settings = InferenceSettings(SliceSettings(gene_id_key=gene_id_key, leiden_resolution=leiden_resolution,
-                                               alpha=alpha, knn=knn), seed, encoder=given or bundled,
-                                 warn_random_encoder=cell_encoder is None)
+    settings = InferenceSettings(SliceSettings(gene_id_key=gene_id_key, cell_encoder=CellEncoderSection(seed=seed),
+                                               leiden_resolution=leiden_resolution, alpha=alpha, knn=knn), seed,
+                                 encoder=given or bundled, warn_random_encoder=cell_encoder is None)
     options = ApplyOptions(None if given is not None else cell_encoder, spatial_key, layer, embedding_key,
                            cells_per_subslice, key_added, overwrite)
-    apply.run("embed", APPLY, transformer, adata, settings=settings, precision="32-true", batch_size=batch_size,
-              device=_device(transformer), options=options)
+    out = apply.run("embed", APPLY, transformer, adata.copy() if copy else adata, settings=settings,
+                    precision="32-true", batch_size=batch_size, device=_device(transformer), options=options)
+    return out.value if copy else None
 
 
-def _resolve_model(model) -> tuple[nn.Module | str | Path, nn.Module | None]:
+def _resolve_model(model, seed: int) -> tuple[nn.Module | str | Path, nn.Module | None]:
     """``(model, bundled cell encoder)``: the official checkpoint folder (``se2transformer.pth`` +
     ``cell_encoder/``) and a ``se2transformer.pth`` file are loaded here, a registered name as a
-    random model (with a warning); a model or a save_pretrained folder as :func:`apply.resolve` does."""
+    random model initialised under ``seed`` (with a warning); a model or a save_pretrained folder as
+    :func:`apply.resolve` does."""
     from domainfm.models.stofm import load_official
 
     path = None if isinstance(model, nn.Module) else Path(str(model)).expanduser()
@@ -440,11 +448,13 @@ def _resolve_model(model) -> tuple[nn.Module | str | Path, nn.Module | None]:
         warnings.warn(f"embed(model={model!r}): a registered name without weights gives a randomly initialised "
                       "model; pass the official checkpoint folder (Google Drive, see the model card) or a "
                       "fine-tuned folder", stacklevel=3)
-        return create_model(str(model), n_outputs=None), None
+        with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
+            torch.manual_seed(seed)
+            return create_model(str(model), n_outputs=None), None
     raise FileNotFoundError(f"model={model!r}: not a model, a registered stofm variant, a folder or a checkpoint file")
 
 
-def _encoder_section(cell_encoder) -> CellEncoderSection:
+def _encoder_section(cell_encoder, seed: int) -> CellEncoderSection:
     if str(cell_encoder) in list_models("stofm-cell-encoder*"):
-        return CellEncoderSection(name=str(cell_encoder))
+        return CellEncoderSection(name=str(cell_encoder), seed=seed)
     return CellEncoderSection(pretrained=str(cell_encoder))

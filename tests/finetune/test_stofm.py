@@ -25,7 +25,7 @@ def test_embed_writes_obsm_in_obs_order_and_changes_nothing_else(tissue):
     before = (adata.X.copy(), adata.obs.copy(), dict(adata.obsm), adata.var_names.copy())
     model = domainfm.create_model("stofm-test", n_outputs=None).eval()
     encoder = domainfm.create_model("stofm-cell-encoder-test").eval()
-    FT.embed(adata, model, cell_encoder=encoder, cells_per_subslice=100, batch_size=2)
+    assert FT.embed(adata, model, cell_encoder=encoder, cells_per_subslice=100, batch_size=2) is None
     x = adata.obsm["X_stofm"]
     assert x.shape == (adata.n_obs, 32) and np.isfinite(x).all() and np.abs(x).sum(1).min() > 0
     assert set(adata.obsm) == {"spatial", "X_stofm"}

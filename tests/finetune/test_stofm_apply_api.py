@@ -89,7 +89,7 @@ def test_embed_matches_the_family_function_and_the_cli(models, tmp_path):
     x = adata.obsm["X_api"]
     assert x.shape == (adata.n_obs, backbone.num_features)
     own = sample.copy()
-    FT.embed(own, backbone, embedding_key="X_ce")
+    assert FT.embed(own, backbone, embedding_key="X_ce") is None  # scanpy: copy=False returns None
     np.testing.assert_allclose(x, own.obsm["X_stofm"], rtol=0, atol=1e-5)
     gaps = np.abs(x - x.mean(0)).max(1)
     assert gaps.min() > 1e-2  # every cell's row differs from the mean row: a real comparison
