@@ -556,8 +556,70 @@ def test_save_pretrained_writes_a_hub_model_card(tmp_path, tiny_zoo):
     assert "a tiny carded test net" in text and f"{n_params:,}" in text and "TinyNet" in text
     assert "CC-BY-4.0" in text  # the licence of the weights it started from
     assert "No training report" in text and "## Metrics" not in text
+    # a source that records no pretraining data: the card says so rather than "no overlaps"
+    assert _card_section(text, "Pretraining data")[-2:] == ["- pretraining data: not recorded",
+                                                            "- overlaps with public benchmarks: unknown"]
     # the folder still round-trips (the card is not read back)
     _assert_state_equal(domainfm.create_model(folder), model.state_dict())
+
+
+def _card_section(text: str, title: str) -> list[str]:
+    """The non-empty lines of a model card's ``## title`` section."""
+    body = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return [line for line in body.splitlines() if line]
+
+
+def test_saved_card_names_the_pretraining_data_and_overlaps_of_the_loaded_weights(tmp_path, tiny_zoo):
+    """A model loaded from a weight source that records what it saw: every card saved from it
+    (save_pretrained, and a re-saved copy of that folder with the run's report) names the data
+    and the public benchmarks it contains; a random-init arm of the same run names none."""
+    torch.manual_seed(3)
+    upstream = domainfm.save_pretrained(domainfm.create_model("dfmtest-tiny"), tmp_path / "up", card=False)
+    weights = upstream / "model.safetensors"
+    digest = hub.sha256_file(weights)
+    tiny_zoo.register("dfmtest-seen", weights=[
+        WeightSource("https://example.org/unused.safetensors", "cd" * 32, pretraining_data="nothing public"),
+        WeightSource(weights.as_uri(), digest, pretraining_data="the TUH EEG Corpus (TUEG), unlabelled",
+                     overlaps=("TUAB", "TUEV"), note="exclusions not confirmed")])
+    model = domainfm.create_model("dfmtest-seen", pretrained=weights.as_uri())
+    text = (domainfm.save_pretrained(model, tmp_path / "m") / "README.md").read_text()
+    assert _card_section(text, "Pretraining data") == [
+        f"- weights: {weights.as_uri()}",
+        "- pretraining data: the TUH EEG Corpus (TUEG), unlabelled",
+        "- overlaps with public benchmarks: TUAB, TUEV (these weights saw their data in pretraining: a result on "
+        "them is not a held-out result)",
+        "- note: exclusions not confirmed"]
+    # a local copy of that file, loaded by path, is recognised by its sha256
+    copy = shutil.copy(weights, tmp_path / "copy.safetensors")
+    local = domainfm.create_model("dfmtest-seen", pretrained=str(copy))
+    assert "TUAB, TUEV" in _card_section(hub.model_card_text(local), "Pretraining data")[2]
+    # the experiment layer re-creates each arm's model from its folder (its load report then names
+    # the folder) and passes the run's report: the arm's recorded init picks the source
+    from domainfm.experiment.weights import InitInfo
+
+    report = {"arms": {"pretrained": {"init": str(InitInfo("pretrained", source=weights.as_uri(), sha256=digest))},
+                       "random": {"init": str(InitInfo("random", reason="no pretrained weights requested"))}}}
+    reloaded = domainfm.create_model(tmp_path / "m")
+    card = hub.model_card_text(reloaded, report, arm="pretrained")
+    assert _card_section(card, "Pretraining data")[1:3] == [
+        "- pretraining data: the TUH EEG Corpus (TUEG), unlabelled",
+        "- overlaps with public benchmarks: TUAB, TUEV (these weights saw their data in pretraining: a result on "
+        "them is not a held-out result)"]
+    assert _card_section(hub.model_card_text(reloaded, report, arm="random"), "Pretraining data") == [
+        "- initialisation: random (the run's arm): no pretraining data"]
+    # an upstream file that is none of the card's sources: what it saw is not known
+    from safetensors.torch import save_file
+
+    stranger = tmp_path / "stranger.safetensors"
+    save_file(dict(model.state_dict()), str(stranger))  # no domainfm metadata: an upstream file
+    unknown = domainfm.create_model("dfmtest-seen", pretrained=str(stranger), converter=lambda sd, m: sd)
+    assert unknown.domainfm_load_report.kind == "upstream"
+    assert _card_section(hub.model_card_text(unknown), "Pretraining data") == [
+        f"- weights: {stranger}", "- pretraining data: not recorded", "- overlaps with public benchmarks: unknown"]
+    # the other source of the same card is named when it is the one loaded from the run's record
+    other = {"arms": {"a": {"init": "pretrained https://example.org/unused.safetensors (sha256 cdcdcdcdcdcd)"}}}
+    assert _card_section(hub.model_card_text(reloaded, other, arm="a"), "Pretraining data")[1:] == [
+        "- pretraining data: nothing public", "- overlaps with public benchmarks: none known"]
 
 
 def test_model_card_shows_the_reports_metrics_and_training(tmp_path, tiny_zoo):

@@ -1,6 +1,7 @@
 """The model registry: listing, cards, keyword overrides, registration errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -140,3 +141,27 @@ def test_card_domain_for_model_card_tags(tiny_zoo):
     tiny_zoo.register("dfmtest-dom", input_spec={"n_chans": 3, "domain": "seismology"})
     assert zoo.get_card("dfmtest-dom").domain == "seismology"
     assert zoo.get_card("dfmtest-tiny").domain is None
+
+
+def test_weight_source_records_pretraining_data_and_overlaps():
+    source = WeightSource("hf://org/repo/w.pth", pretraining_data="TUEG, unlabelled", overlaps=["TUAB", " TUEV "])
+    assert source.overlaps == ("TUAB", "TUEV")  # a manifest's list reads back as the registered tuple
+    assert WeightSource(**json.loads(json.dumps(dataclasses.asdict(source)))) == source
+    unrecorded = WeightSource("hf://org/repo/w.pth")
+    assert unrecorded.pretraining_data == "" and unrecorded.overlaps == ()
+    # a bare string would otherwise iterate into letters
+    with pytest.raises(ValueError, match=r"hf://org/repo/w.pth.*overlaps must be a sequence of benchmark names.*'TUAB'"):
+        WeightSource("hf://org/repo/w.pth", pretraining_data="TUEG", overlaps="TUAB")
+    with pytest.raises(ValueError, match="overlaps must be a sequence of benchmark names"):
+        WeightSource("hf://org/repo/w.pth", pretraining_data="TUEG", overlaps=("TUAB", ""))
+    with pytest.raises(ValueError, match=r"overlaps \('TUAB',\) need the pretraining_data"):
+        WeightSource("hf://org/repo/w.pth", overlaps=("TUAB",))
+    with pytest.raises(ValueError, match="pretraining_data must be a string"):
+        WeightSource("hf://org/repo/w.pth", pretraining_data=["TUEG"])
+
+
+def test_model_info_shows_pretraining_data_and_overlaps(tiny_zoo):
+    tiny_zoo.register("dfmtest-seen", weights=[WeightSource("https://example.org/seen.safetensors", SHA,
+                                                            pretraining_data="the TUH EEG Corpus", overlaps=("TUAB",))])
+    (weights,) = json.loads(json.dumps(domainfm.model_info("dfmtest-seen")))["weights"]
+    assert weights["pretraining_data"] == "the TUH EEG Corpus" and weights["overlaps"] == ["TUAB"]

@@ -8,12 +8,21 @@ from domainfm.models.cbramod.cbramod import CBraMod
 from domainfm.models.cbramod.convert import convert_official_state_dict
 from domainfm.zoo import WeightSource, register_model
 
-__all__ = ["OFFICIAL_URL", "OFFICIAL_SHA256", "cbramod_base", "cbramod_test"]
+__all__ = ["OFFICIAL_URL", "OFFICIAL_SHA256", "PRETRAINING_DATA", "OVERLAPS", "cbramod_base", "cbramod_test"]
 
 PAPER = "https://arxiv.org/abs/2412.07236"
 OFFICIAL_URL = "hf://weighting666/CBraMod/pretrained_weights.pth"
 # sha256 of pretrained_weights.pth as published by third parties; verified on every download.
 OFFICIAL_SHA256 = "0792cb808c14e6b7a2bb2ce1dff379bc47bc54c49a779825bdfeb33bf8157178"
+
+#: what the official weights saw: unlabelled TUEG, the Temple University Hospital EEG Corpus
+PRETRAINING_DATA = ("TUEG (Temple University Hospital EEG Corpus), unlabelled: CBraMod's pretraining set cut "
+                    "from it (19 channels, 30 s segments at 200 Hz), masked patch reconstruction")
+#: TUH's own corpora cut from TUEG (each corpus's README: "a subset of the TUH EEG Corpus"), on which
+#: CBraMod and its peers report results: their recordings were seen, without labels, in pretraining
+OVERLAPS = ("TUAB", "TUEV", "TUSZ")
+OVERLAP_NOTE = ("not confirmed: whether CBraMod removed any TUAB/TUEV/TUSZ recordings from its TUEG copy; "
+                "TUH's other corpora (TUAR, TUEP, TUSL) are likely TUEG subsets too")
 
 _INPUT_SPEC = {
     "sfreq": 200.0,
@@ -34,7 +43,8 @@ _INPUT_SPEC = {
     defaults={"n_chans": 19, "n_times": 6000, "sfreq": 200.0, "n_outputs": None},
     weights=[WeightSource(OFFICIAL_URL, sha256=OFFICIAL_SHA256, converter="official", license="MIT",
                           description="official CBraMod weights: masked patch reconstruction on TUEG "
-                                      "(19 ch, 30 s segments, 200 Hz), 40 epochs")],
+                                      "(19 ch, 30 s segments, 200 Hz), 40 epochs",
+                          pretraining_data=PRETRAINING_DATA, overlaps=OVERLAPS, note=OVERLAP_NOTE)],
     converters={"official": convert_official_state_dict},
     head="head",
 )

@@ -49,16 +49,34 @@ _TIMM_TAGS = {"dinov2-small": "vit_small_patch14_dinov2.lvd142m", "dinov2-base":
               "mae-large": "vit_large_patch16_224.mae"}
 
 
+#: what each natural-image start saw (DINOv2 paper, sec. 3 and its data-sources table; MAE paper):
+#: (pretraining data, public benchmarks it contains, what could not be confirmed)
+_LVD142M = ("LVD-142M (DINOv2, unlabelled): curated ImageNet-22k, ImageNet-1k train split, Google Landmarks and "
+            "the train splits of several fine-grained sets, plus web images retrieved near them and deduplicated "
+            "against the evaluation benchmarks' test/validation sets")
+_LVD142M_OVERLAPS = ("ImageNet-1k", "ImageNet-22k", "Google Landmarks v2")
+_IMAGENET = "ImageNet-1k train split, unlabelled (MAE self-supervised pretraining)"
+_START_DATA = {"dinov2": (_LVD142M, _LVD142M_OVERLAPS,
+                          "train splits only; the fine-grained sets in LVD-142M are not listed here"),
+               "mae": (_IMAGENET, ("ImageNet-1k",), "")}
+
+
 def _timm_source(arch: str, license: str) -> WeightSource:
     # the converter resamples DINOv2's 518-px position table to the card's 224 px (timm keys otherwise)
+    data, overlaps, note = _START_DATA[arch.split("-")[0]]
     return WeightSource(f"timm://{_TIMM_TAGS[arch]}", converter="official", license=license,
                         description=f"timm's {_TIMM_TAGS[arch]} weights (location from timm's pretrained config)",
-                        note=_UNPINNED)
+                        note="; ".join(n for n in (_UNPINNED, note) if n), pretraining_data=data, overlaps=overlaps)
 
 
-def _official_source(path: str, description: str) -> WeightSource:
+def _official_source(path: str, description: str, *, start: str, satellite: str, data_note: str) -> WeightSource:
+    """An ExPLoRA result: its natural-image start's data, then unlabelled extended pretraining on ``satellite``."""
+    data, overlaps, _ = _START_DATA[start]
     return WeightSource(f"{HF_REPO}/{path}", converter="official", license=_EXPLORA_LICENSE,
-                        description=description, state_dict_key=None, note=_UNPINNED)
+                        description=description, state_dict_key=None, note=f"{_UNPINNED}; {data_note}",
+                        pretraining_data=f"{data}; then ExPLoRA's extended pretraining on {satellite} images, "
+                                         "unlabelled",
+                        overlaps=(satellite, *overlaps))
 
 
 def _register_timm(name: str, arch: str, *, img_size: int, patch: int, description: str, license: str,
@@ -95,7 +113,8 @@ for _size in ("base", "large"):
         ),
         weights=[_official_source(
             f"explora_dinov2_fmow_rgb/explora_dinov2_vit_{_size}_fmow_rgb_encoder_only.pth",
-            f"ExPLoRA DINOv2 ViT-{_size[0].upper()}/14 on fMoW-RGB, encoder only (LoRA merged)")],
+            f"ExPLoRA DINOv2 ViT-{_size[0].upper()}/14 on fMoW-RGB, encoder only (LoRA merged)",
+            start="dinov2", satellite="fMoW-RGB", data_note="not confirmed: which fMoW-RGB splits were seen")],
     )
 
 
@@ -109,7 +128,10 @@ for _size in ("base", "large"):
                 "channel_groups": [list(g) for g in SENTINEL2_GROUPS]},
     defaults={"n_outputs": 0}, converters=_CONVERTERS, head="head",
     weights=[_official_source("explora_mae_multispectral/explora_mae_fmow_sentinel_encoder_only.pth",
-                              "ExPLoRA MAE ViT-L group-channel on fMoW-Sentinel (10 bands), encoder only (LoRA merged)")],
+                              "ExPLoRA MAE ViT-L group-channel on fMoW-Sentinel (10 bands), encoder only (LoRA merged)",
+                              start="mae", satellite="fMoW-Sentinel",
+                              data_note="not confirmed: which fMoW-Sentinel splits were seen, and that the start "
+                                        "was MAE's ImageNet-1k checkpoint (inferred from the file name)")],
 )
 def explora_vit_large_mae_fmow_sentinel(**kwargs):
     """ExPLoRA multispectral ViT-L (SatMAE group channels)."""

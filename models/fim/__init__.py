@@ -86,7 +86,10 @@ def fim_imputation_base(**kwargs) -> FIMImputer:
         sha256="825aac9d623b9e3c027e7cd1bd594be003a56c44cdef80ac2ee7b42294217180", tag="synthetic-prior",
         license="MIT", card="package://domainfm.models.fim/weights/fim-imputation-small.synthetic-prior.md",
         description="trained by domainfm, not the published weights: the official objective on domainfm's "
-                    "synthetic ODE prior (configs/fim/pretrain_synthetic_prior.yaml); see the card")],
+                    "synthetic ODE prior (configs/fim/pretrain_synthetic_prior.yaml); see the card",
+        pretraining_data="domainfm's synthetic ODE prior only (domainfm.pretrain.fim): 256,000 1-D ODE solutions "
+                         "with Chebyshev-series or RBF-GP drifts on a 128-point grid; no real series",
+        overlaps=())],
 )
 def fim_imputation_small(**kwargs) -> FIMImputer:
     """FIMImputer at width 128 (time encoding and latent), 4 blocks x 4 heads, MLP width 256."""

@@ -30,6 +30,9 @@ __all__ = [
     "filter_logits",
     "DEFAULT_QUANTILES",
     "CHRONOS_SHA256",
+    "CHRONOS_REAL_DATA",
+    "CHRONOS_PRETRAINING_DATA",
+    "CHRONOS_OVERLAPS",
     "T5_SIZES",
 ]
 
@@ -84,6 +87,26 @@ def _register_wavetoken(size: str, t5: dict, *, context_length=512, prediction_l
     )(_build)
 
 
+#: What the published Chronos checkpoints saw (Chronos paper, sec. 5 and Table 3; the released corpus is
+#: autogluon/chronos_datasets; the 0.9/0.1 mixture is the training configs' and 1M KernelSynth series is
+#: the KernelSynth script's paper default)
+CHRONOS_REAL_DATA = (
+    "the Chronos paper's real training datasets (its Table 3): those marked pretraining-only and the training "
+    "portions of the 15 Benchmark I (in-domain) datasets (each series' last prediction window held out)")
+CHRONOS_PRETRAINING_DATA = (CHRONOS_REAL_DATA + ", sampled 90% as TSMixup mixtures of those series and 10% as "
+                            "KernelSynth synthetic series (1M)")
+#: Benchmark I, the in-domain datasets (chronos-forecasting scripts/evaluation/configs/in-domain.yaml: "the
+#: training portion of these datasets was part of the training corpus"), then GIFT-Eval, whose rule counts
+#: any of its test datasets in the training data (M4, electricity, KDD Cup 2018 and solar are in both)
+CHRONOS_OVERLAPS = (
+    "Electricity (15 Min.)", "Electricity (Hourly)", "Electricity (Weekly)", "KDD Cup 2018", "London Smart Meters",
+    "M4 (Daily)", "M4 (Hourly)", "M4 (Monthly)", "M4 (Weekly)", "Pedestrian Counts", "Rideshare", "Taxi (30 Min.)",
+    "Temperature-Rain", "Uber TLC (Daily)", "Uber TLC (Hourly)", "GIFT-Eval")
+CHRONOS_OVERLAP_NOTE = (
+    "the Benchmark II (zero-shot) datasets were not trained on; the GIFT-Eval overlap is reported by third "
+    "parties (SalesforceAIResearch/gift-eval#29, #62), not confirmed by Amazon")
+
+
 def _chronos_weights(size: str) -> list:
     """The published Chronos-T5 repository (config.json + model.safetensors), Apache-2.0.
 
@@ -95,7 +118,9 @@ def _chronos_weights(size: str) -> list:
     return [WeightSource(
         f"hf://{repo}", sha256=digests.get("model.safetensors"), converter="hf_t5", license="Apache-2.0",
         description=f"Chronos-T5 ({size}) pretrained by Amazon on public + synthetic (KernelSynth/TSMix) series",
-        note="no pinned sha256/revision confirmed offline: the Hub's published digest + the lock file")]
+        note="no pinned sha256/revision confirmed offline: the Hub's published digest + the lock file; "
+             + CHRONOS_OVERLAP_NOTE,
+        pretraining_data=CHRONOS_PRETRAINING_DATA, overlaps=CHRONOS_OVERLAPS)]
 
 
 def _register_chronos(size: str, t5: dict, *, n_tokens=4096, context_length=512, prediction_length=64, tags=(), extra=None,
@@ -126,7 +151,11 @@ _register_wavetoken("micro", MICRO_T5, context_length=256, prediction_length=64,
     sha256="923725ede9c7711266c386baf12c8b18465d0b8400a7eed0a8ec45d1fac59fdd", tag="kernelsynth-tsmixup",
     license="Apache-2.0", card="package://domainfm.models.wavetoken/weights/wavetoken-micro.kernelsynth-tsmixup.md",
     description="trained by domainfm, not the published weights: KernelSynth + TSMixup over statsmodels-bundled "
-                "series (configs/wavetoken/pretrain_micro_kernelsynth.yaml); see the card")])
+                "series (configs/wavetoken/pretrain_micro_kernelsynth.yaml); see the card",
+    pretraining_data="8,000 KernelSynth synthetic series (Chronos Alg. 2) and TSMixup (Chronos Alg. 1) over 205 "
+                     "statsmodels-bundled series: fertility (World Bank), danish_data, interest_inflation; none of "
+                     "the 14 held-out series of the package's statsmodels_series.csv",
+    overlaps=())])
 for _size in ("tiny", "mini", "small", "base"):
     _register_wavetoken(_size, T5_SIZES[_size])
 

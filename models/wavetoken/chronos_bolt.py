@@ -563,6 +563,9 @@ def _weights(size: str) -> tuple[WeightSource, ...]:
     Apache-2.0, pinned to the revision in :data:`CHRONOS_BOLT_REVISIONS`. No full sha256 could be
     confirmed offline: the hub verifies each file against the sha256 the Hub publishes for it at
     that revision and enforces the digest recorded on first download."""
+    # defined by the package before it imports this module (Chronos-T5 and Bolt share the real corpus)
+    from . import CHRONOS_OVERLAPS, CHRONOS_REAL_DATA
+
     repo = f"amazon/chronos-bolt-{size}"
     digest = CHRONOS_BOLT_SHA256.get(repo, {}).get("model.safetensors")
     try:
@@ -571,7 +574,13 @@ def _weights(size: str) -> tuple[WeightSource, ...]:
             description=f"Chronos-Bolt ({size}) pretrained by Amazon on nearly 100 billion time series observations",
             revision=CHRONOS_BOLT_REVISIONS[size],
             note="no sha256 confirmed offline; revision as pinned by public projects using this checkpoint, "
-                 "not verified from here"),)
+                 "not verified from here; real datasets as Chronos-T5's per a Chronos author "
+                 "(amazon-science/chronos-forecasting#245), the model card says the 27 Benchmark II datasets "
+                 "were not seen; not confirmed: Bolt's synthetic data and training windows, and the GIFT-Eval "
+                 "overlap (third-party reports: SalesforceAIResearch/gift-eval#29, #62)",
+            pretraining_data=CHRONOS_REAL_DATA + ", and synthetic series; nearly 100 billion observations in all "
+                                                 "(model card)",
+            overlaps=CHRONOS_OVERLAPS),)
     except (TypeError, ValueError, AttributeError):
         # a zoo whose WeightSource needs a full sha256 (no revision/note fields): no registered
         # source; pretrained="hf://amazon/chronos-bolt-SIZE" or a local folder still load

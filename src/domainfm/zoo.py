@@ -72,6 +72,12 @@ class WeightSource:
             ``package://<module>/<path>`` sources are files shipped inside an installed package.
         card: a model card shipped beside a ``package://`` file (``package://<module>/<path>.md``):
             what was trained on what, for how long, and its held-out figures.
+        pretraining_data: what these weights saw before any fine-tuning (the corpora, and the
+            splits where only some were used); ``""``: not recorded. Shown by ``domainfm info``
+            and written into every model card saved from a model that started from them.
+        overlaps: the public benchmarks whose data ``pretraining_data`` contains, by the names
+            their papers use (``("TUAB", "TUEV")``): a result on one of them is not a held-out
+            result for these weights. ``()`` with ``pretraining_data`` set: none known.
     """
 
     url: str
@@ -84,8 +90,22 @@ class WeightSource:
     note: str = ""
     tag: str | None = None
     card: str | None = None
+    pretraining_data: str = ""
+    overlaps: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if not isinstance(self.pretraining_data, str):
+            raise ValueError(f"WeightSource({self.url!r}): pretraining_data must be a string (what the weights "
+                             f"saw), got {type(self.pretraining_data).__name__}")
+        overlaps = () if isinstance(self.overlaps, str) else tuple(self.overlaps)
+        if isinstance(self.overlaps, str) or not all(isinstance(o, str) and o.strip() for o in overlaps):
+            raise ValueError(f"WeightSource({self.url!r}): overlaps must be a sequence of benchmark names such as "
+                             f"('TUAB', 'TUEV'), got {self.overlaps!r}")
+        # a list read back from a manifest compares equal to the registered tuple
+        object.__setattr__(self, "overlaps", tuple(o.strip() for o in overlaps))
+        if self.overlaps and not self.pretraining_data:
+            raise ValueError(f"WeightSource({self.url!r}): overlaps {self.overlaps} need the pretraining_data "
+                             "that contains them")
         if self.tag is not None and (not self.tag or "." in self.tag or "/" in self.tag or self.tag != self.tag.strip()):
             raise ValueError(f"WeightSource({self.url!r}): tag {self.tag!r} must be a non-empty word without '.' or '/'")
         if self.sha256 is None:

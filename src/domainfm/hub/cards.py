@@ -59,14 +59,77 @@ def _md_cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _started_from(zcard: zoo.ModelCard | None, load: Any, arm_report: Mapping[str, Any]
+                  ) -> tuple[str, zoo.WeightSource | None, str | None]:
+    """Where this model's weights began: ``(how, source, location)``. ``how`` is ``"random"`` (the
+    run's arm started from random initialisation), ``"run"`` (the arm's recorded ``init``),
+    ``"loaded"`` (the model's own load report), ``"card"`` (no start recorded, or a domainfm
+    folder reloaded: the card's first source is assumed, as the licence line does) or
+    ``"unknown"`` (an upstream file that is none of the card's sources). ``source`` is the card's
+    weight source when one matches by location or digest (a local copy of a source matches)."""
+    sources = zcard.weights if zcard is not None else ()
+
+    def match(location: str | None, digest: str | None) -> zoo.WeightSource | None:
+        for w in sources:
+            if location is not None and (location == w.url or location.startswith((w.url + " ", w.url + ";"))):
+                return w
+            if digest and w.sha256 and w.sha256.startswith(digest.lower()):
+                return w
+        return None
+
+    init = arm_report.get("init")
+    if isinstance(init, str) and init.startswith("random"):
+        return "random", None, None
+    if isinstance(init, str) and init.startswith("pretrained "):
+        location = init[len("pretrained "):]
+        digest = location.split("(sha256 ", 1)[1].split(")", 1)[0] if "(sha256 " in location else None
+        return "run", match(location, digest), location.split(" (sha256 ", 1)[0].split(";", 1)[0]
+    loaded_from = getattr(load, "source", None)
+    if loaded_from is not None:
+        source = match(str(loaded_from), getattr(load, "sha256", None))
+        if source is not None:
+            return "loaded", source, str(loaded_from)
+        if getattr(load, "kind", None) != "domainfm":
+            return "unknown", None, str(loaded_from)
+    if sources:
+        return "card", sources[0], sources[0].url
+    return "unknown", None, None
+
+
+def _pretraining_lines(how: str, source: zoo.WeightSource | None, location: str | None) -> list[str]:
+    """The card's ``## Pretraining data`` section: what the starting weights saw and which public
+    benchmarks that data contains (a result on those is not a held-out result)."""
+    lines = ["## Pretraining data", ""]
+    if how == "random":
+        return lines + ["- initialisation: random (the run's arm): no pretraining data", ""]
+    if how == "card":
+        lines.append(f"- weights: {location} (assumed, the card's weights: where this model's weights began was not "
+                     "recorded; if it was trained from random initialisation it saw none of the data below)")
+    elif location is not None:
+        lines.append(f"- weights: {location}")
+    if source is None or not source.pretraining_data:
+        return lines + ["- pretraining data: not recorded", "- overlaps with public benchmarks: unknown", ""]
+    lines.append(f"- pretraining data: {_md_cell(source.pretraining_data)}")
+    if source.overlaps:
+        lines.append(f"- overlaps with public benchmarks: {', '.join(source.overlaps)} (these weights saw their data "
+                     "in pretraining: a result on them is not a held-out result)")
+    else:
+        lines.append("- overlaps with public benchmarks: none known")
+    if source.note:
+        lines.append(f"- note: {_md_cell(source.note)}")
+    return lines + [""]
+
+
 def model_card_text(model: nn.Module, report: Mapping[str, Any] | None = None, *, arm: str | None = None,
                     base_model: str | None = None, datasets: list[str] | None = None,
                     license: str | None = None) -> str:
     """The ``README.md`` model card of a domainfm model, in the Hub's format: YAML front matter
     (``library_name: domainfm``, ``license``, ``base_model``, ``tags``, ``datasets`` where known)
-    and a body saying what the model is, how it was trained and its metrics (from ``report``, a
-    run's ``report.json`` as a dict; ``arm`` picks that arm's metrics), and the licence of the
-    weights it started from."""
+    and a body saying what the model is, what the weights it started from saw in pretraining and
+    which public benchmarks that data overlaps (the weight source's ``pretraining_data`` and
+    ``overlaps``; the source is the arm's recorded ``init``, else the one the model was loaded
+    from), how it was trained and its metrics (from ``report``, a run's ``report.json`` as a dict;
+    ``arm`` picks that arm's metrics), and the licence of the weights it started from."""
     import yaml
 
     name = getattr(model, "domainfm_name", None) or type(model).__name__
@@ -112,6 +175,9 @@ def model_card_text(model: nn.Module, report: Mapping[str, Any] | None = None, *
         lines.append(f"- input: {spec}")
     lines += ["", "Load it with domainfm:", "", "```python", "import domainfm", "",
               'model = domainfm.create_model("hf://USER/REPO")  # or a local folder path', "```", ""]
+
+    if zcard is not None:
+        lines += _pretraining_lines(*_started_from(zcard, load, arm_report))
 
     lines += ["## Training", ""]
     if report:
