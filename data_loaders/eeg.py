@@ -9,6 +9,13 @@ The steps follow braindecode's shape (named steps on MNE objects, then windowing
 >>> x, y = windows_from_annotations(raw, {"T1": 0, "T2": 1}, window_s=4)   # x in µV
 >>> x = to_model_units(x)                                          # CBraMod's units: 100 µV
 
+Channels are matched by name (:func:`match_channels`): case, an ``EEG `` prefix, reference affixes
+(``-REF``, ``-LE``, ``-AVG``, ``-A1`` ...), trailing dots and the old/new 10-20 names (T3/T7, T4/T8,
+T5/P7, T6/P8) do not matter (``'EEG FP1-REF'``, ``'Fp1.'`` and ``'fp1'`` are one channel). A
+channel the model needs and the file lacks is an error; :func:`recording_windows` feeds it as
+zeros only when asked (``fill_missing="zeros"``) and says so; the file's other channels are
+dropped with a notice naming them.
+
 Errors name the file, the field and what was expected: a missing channel (with the channels the
 file has), a recording shorter than needed, a sampling rate below the target (upsampling would
 invent content), NaNs, an unreadable format. Warnings name the file too: channels marked bad in
@@ -22,7 +29,9 @@ the windows its sampler hands it.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import functools
 import importlib.resources
 import json
 import os
@@ -43,6 +52,10 @@ __all__ = [
     "READERS",
     "EEGSettings",
     "normalize_channel_name",
+    "ChannelMatch",
+    "match_channels",
+    "scalp_channels",
+    "name_channels",
     "read_raw",
     "drop_bad_channels",
     "pick_channels",
@@ -83,6 +96,13 @@ TCP_BIPOLAR_16 = [
 _ALIASES = {"T3": "T7", "T4": "T8", "T5": "P7", "T6": "P8"}
 _ALIASES.update({v: k for k, v in list(_ALIASES.items())})
 
+# reference affixes of a channel label: TUH's '-REF' / '-LE' (linked ears), average ('-AVG', '-AR',
+# '-CAR'), ear and mastoid references ('-A1', '-A2', '-A1A2', '-M1', '-M2', '-M1M2')
+_REFERENCE_SUFFIX = re.compile(r"\s*[-_ ]\s*(REF|LE|AVG|AR|CAR|A1A2|A1|A2|M1M2|M1|M2)$")
+
+# 10-05 names that are reference sites (ear lobes, mastoids), not scalp electrodes
+_REFERENCE_SITES = frozenset({"A1", "A2", "M1", "M2"})
+
 #: file suffix -> MNE reader name
 READERS = {".edf": "read_raw_edf", ".bdf": "read_raw_bdf", ".fif": "read_raw_fif", ".fif.gz": "read_raw_fif",
            ".vhdr": "read_raw_brainvision", ".set": "read_raw_eeglab"}
@@ -92,12 +112,14 @@ READERS = {".edf": "read_raw_edf", ".bdf": "read_raw_bdf", ".fif": "read_raw_fif
 
 
 def normalize_channel_name(name: str) -> str:
-    """Canonical form for matching: upper case, without ``EEG `` prefix, ``-REF``/``-LE``/``-AVG``
-    suffix and EEGMMIDB's trailing dots (``'EEG FP1-REF'``, ``'Fp1.'`` and ``'fp1'`` -> ``'FP1'``)."""
+    """Canonical form for matching: upper case, without an ``EEG`` prefix, a reference suffix
+    (``-REF``, ``-LE``, ``-AVG``/``-AR``/``-CAR``, ``-A1``/``-A2``/``-A1A2``, ``-M1``/``-M2``) and
+    EEGMMIDB's trailing dots (``'EEG FP1-REF'``, ``'EEG FP1-LE'``, ``'Fp1.'``, ``'fp1'`` -> ``'FP1'``).
+    The old/new 10-20 aliases (T3/T7 ...) are not merged here but in :func:`match_channels`."""
     text = name.strip().upper()
-    text = re.sub(r"^EEG[\s_:]*", "", text)
-    text = re.sub(r"[-_ ](REF|LE|AVG|AR|A1|A2|M1|M2)$", "", text)
-    return text.rstrip(".").strip()
+    text = re.sub(r"^EEG(?:[\s_:]+|(?=[A-Z]))", "", text).rstrip(".").strip()
+    text = _REFERENCE_SUFFIX.sub("", text).rstrip(".").strip()
+    return text or name.strip().upper()  # a label that is all prefix/suffix ('EEG', 'REF') stays itself
 
 
 def _suffix(path: Path) -> str:
@@ -158,27 +180,107 @@ def _where(raw) -> str:
     return getattr(raw, "filenames_for_errors", None) or (str(raw.filenames[0]) if raw.filenames and raw.filenames[0] else "<raw>")
 
 
-def _index_channels(raw) -> dict[str, str]:
-    index: dict[str, str] = {}
+@dataclass
+class ChannelMatch:
+    """Where each channel a model takes was found in a recording (:func:`match_channels`).
+
+    ``channels``: the names asked for, in order; ``file_channels``: the file's channel for each
+    (None: the file has none of that name); ``available``: every channel of the file, in file
+    order; ``where``: the file, for messages; ``filled``: the missing channels were fed as zeros.
+    ``str()`` is the one-line account a ``predict``/``embed`` summary prints."""
+
+    channels: list[str]
+    file_channels: list[str | None]
+    available: list[str]
+    where: str = "<recording>"
+    filled: bool = False
+
+    @property
+    def missing(self) -> list[str]:
+        """The names asked for that the file lacks."""
+        return [name for name, ch in zip(self.channels, self.file_channels) if ch is None]
+
+    @property
+    def present(self) -> list[str]:
+        """The names asked for that the file has, in the order asked."""
+        return [name for name, ch in zip(self.channels, self.file_channels) if ch is not None]
+
+    @property
+    def extra(self) -> list[str]:
+        """The file's channels not asked for, in file order."""
+        used = set(self.file_channels)
+        return [ch for ch in self.available if ch not in used]
+
+    def __str__(self) -> str:
+        renamed = [f"{name}={ch}" for name, ch in zip(self.channels, self.file_channels) if ch not in (None, name)]
+        parts = [f"{len(self.present)} of the model's {len(self.channels)} channels found by name"
+                 + (f" ({', '.join(renamed)})" if renamed else "")]
+        if self.missing:
+            parts.append(f"missing {self.missing}" + (" filled with zeros (fill_missing='zeros')" if self.filled else ""))
+        if self.extra:
+            parts.append(f"{len(self.extra)} other channel(s) of the file dropped")
+        return "; ".join(parts)
+
+    def missing_error(self, hint: str = "") -> EEGError:
+        """The error naming the missing channels and the file's (``hint`` appended)."""
+        return EEGError(
+            f"{self.where}: channel(s) {self.missing} not found (matched case-insensitively, ignoring an 'EEG' prefix, "
+            f"reference suffixes such as '-REF'/'-LE'/'-A1' and trailing dots, with aliases T3/T7, T4/T8, T5/P7, "
+            f"T6/P8); the file has {self.available}{hint}")
+
+
+def match_channels(raw, names: Sequence[str]) -> ChannelMatch:
+    """Find each of ``names`` among ``raw.ch_names``: a file channel spelled exactly so, else the
+    one whose :func:`normalize_channel_name` is the same, else its old/new 10-20 alias (T3/T7,
+    T4/T8, T5/P7, T6/P8). Two file channels that normalise alike (``'EEG FP1-REF'`` and
+    ``'EEG FP1-LE'``) are an error when asked for, since either could be meant; a missing channel
+    is not (see :attr:`ChannelMatch.missing`, :meth:`ChannelMatch.missing_error`)."""
+    by_key: dict[str, list[str]] = {}
     for ch in raw.ch_names:
-        key = normalize_channel_name(ch)
-        index.setdefault(key, ch)
-    for key, ch in list(index.items()):
-        alias = _ALIASES.get(key)
-        if alias is not None:
-            index.setdefault(alias, ch)
-    return index
+        by_key.setdefault(normalize_channel_name(ch), []).append(ch)
+    found: list[str | None] = []
+    for name in names:
+        if name in raw.ch_names:
+            found.append(name)
+            continue
+        key = normalize_channel_name(name)
+        hits = by_key.get(key) or by_key.get(_ALIASES.get(key, ""), [])
+        if len(hits) > 1:
+            raise EEGError(f"{_where(raw)}: channel {name!r} matches several of the file's channels {hits}; name the "
+                           "one to use exactly as the file spells it")
+        found.append(hits[0] if hits else None)
+    return ChannelMatch(list(names), found, list(raw.ch_names), _where(raw))
 
 
 def _resolve(raw, names: Sequence[str]) -> list[str]:
-    index = _index_channels(raw)
-    missing = [n for n in names if normalize_channel_name(n) not in index]
-    if missing:
-        raise EEGError(
-            f"{_where(raw)}: channel(s) {missing} not found (matched case-insensitively, ignoring 'EEG '/'-REF', "
-            f"with aliases T3/T7, T4/T8, T5/P7, T6/P8); the file has {raw.ch_names}"
-        )
-    return [index[normalize_channel_name(n)] for n in names]
+    match = match_channels(raw, names)
+    if match.missing:
+        raise match.missing_error()
+    return list(match.file_channels)
+
+
+@functools.lru_cache(maxsize=1)
+def _electrode_names() -> frozenset[str]:
+    """The 10-05 system's electrode names (MNE's montage, named ``colin27_1005`` from MNE 1.13),
+    normalised, without the reference sites A1/A2/M1/M2."""
+    import mne
+
+    name = "colin27_1005" if "colin27_1005" in mne.channels.get_builtin_montages() else "standard_1005"
+    names = mne.channels.make_standard_montage(name).ch_names
+    return frozenset(normalize_channel_name(n) for n in names) - _REFERENCE_SITES
+
+
+def scalp_channels(raw) -> list[str]:
+    """The file's scalp EEG channels, in file order: those of EEG type whose name (in any spelling
+    :func:`normalize_channel_name` accepts) is a 10-05 electrode, the ear/mastoid reference sites
+    A1/A2/M1/M2 excepted. EDF readers type every signal as EEG, so TUH's ``'EEG EKG1-REF'``, an
+    EOG, photic or numbered channel would otherwise enter an average reference. A file none of
+    whose EEG channels has a 10-05 name (numbered nets: E1..E128) keeps every EEG channel."""
+    import mne
+
+    eeg_names = [raw.ch_names[i] for i in mne.pick_types(raw.info, eeg=True, exclude=[])]
+    scalp = [ch for ch in eeg_names if normalize_channel_name(ch) in _electrode_names()]
+    return scalp or eeg_names
 
 
 def _standard_positions() -> dict:
@@ -268,7 +370,8 @@ def drop_bad_channels(raw, needed: Sequence[str] | None = None, *, notify_droppe
 
 
 def pick_channels(raw, channels: Sequence[str]):
-    """Keep ``channels`` in this order (renamed to the requested names)."""
+    """Keep ``channels`` in this order, found by name (:func:`match_channels`) and renamed to the
+    requested names; a missing channel is an error naming it and the file's channels."""
     actual = _resolve(raw, channels)
     if len(set(actual)) != len(actual):
         raise EEGError(f"{_where(raw)}: requested channels {list(channels)} map to repeated file channels {actual}")
@@ -493,59 +596,124 @@ def load_windows(path: str | os.PathLike, settings: EEGSettings) -> tuple[np.nda
     return to_model_units(x, uv_per_unit=settings.uv_per_unit), y
 
 
+def name_channels(settings: EEGSettings, files: Iterable[str | os.PathLike]) -> EEGSettings:
+    """``settings`` with its channels named. Unchanged where ``settings`` names channels or bipolar
+    pairs; otherwise (every EEG channel) ``channels`` becomes the EEG channels of the first of
+    ``files``, in its order and without those marked bad in it. Every file is then read by name in
+    that one order (a file whose channels come in another order is reordered, one that lacks a
+    channel is an error, where reading in file order would mix channels silently), and a run can
+    record the channels its model takes."""
+    if settings.channels is not None or settings.bipolar is not None:
+        return settings
+    first = next(iter(files), None)
+    if first is None:
+        return settings
+    import mne
+
+    raw = read_raw(first, preload=False)
+    names = [raw.ch_names[i] for i in mne.pick_types(raw.info, eeg=True, exclude="bads")]
+    return dataclasses.replace(settings, channels=names)
+
+
 def recording_windows(recording, settings: EEGSettings, *, stride_s: float | None = None,
-                      reference_all: bool = False, source: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+                      reference_all: bool = False, source: str | None = None, fill_missing: str | None = None,
+                      return_match: bool = False, notify: bool = True):
     """Every fixed window of one recording, for inference (``predict`` / ``embed``): the channel
     selection and preprocessing of ``settings`` (as :func:`load_windows`), then consecutive
     ``settings.window_s`` windows every ``stride_s`` (default: the window, no overlap) from the
     first sample to the end. No labels, no trimming, no amplitude rejection: every window gets
     an output row.
 
+    ``settings.channels`` are found by name (:func:`match_channels`: any case, ``EEG`` prefix,
+    reference suffix, trailing dots, T3/T7-style aliases) and fed in that order; the file's other
+    channels are dropped, with a one-line warning naming them.
+
     Args:
         recording: a file path (any format of :data:`READERS`) or an MNE ``Raw``.
-        reference_all: average-reference over *every* EEG channel of the file before picking
-            ``settings.channels`` (CBraMod's embedded demo task does this; :func:`load_windows`
-            references the picked channels).
+        reference_all: average-reference over *every* scalp channel of the file
+            (:func:`scalp_channels`: EEG channels with 10-05 names, so an ECG/EOG channel stays
+            out) before picking ``settings.channels`` (CBraMod's embedded demo task does this;
+            :func:`load_windows` references the picked channels).
         source: the name used in errors when ``recording`` is a ``Raw``.
+        fill_missing: None (default): a channel of ``settings.channels`` that the file lacks is
+            an error naming it and the file's channels. ``"zeros"``: it is fed to the model as
+            zeros (after preprocessing, so it enters no reference), with a warning naming it.
+        return_match: also return the :class:`ChannelMatch` (None without named channels).
+        notify: warn about dropped and zero-filled channels (off for internal reads, e.g. CBraMod's
+            retained-capability windows, which pick a few channels on purpose).
 
-    Returns ``(x, start_s)``: windows ``(n, C, T)`` float32 in model units and their start times in
-    seconds from the first sample. Errors (:class:`EEGError`) name the file: a missing channel
-    (listing the file's), a rate below ``settings.sfreq`` without ``allow_upsample``, a
-    recording shorter than one window. Channels marked bad in the recording are handled (and
-    announced) as by :func:`drop_bad_channels`.
+    Returns ``(x, start_s)`` (``(x, start_s, match)`` with ``return_match``): windows ``(n, C, T)``
+    float32 in model units and their start times in seconds from the first sample. Errors
+    (:class:`EEGError`) name the file: a missing channel (listing the file's), a rate below
+    ``settings.sfreq`` without ``allow_upsample``, a recording shorter than one window. Channels
+    marked bad in the recording are handled (and announced) as by :func:`drop_bad_channels`.
     """
+    if fill_missing not in (None, "zeros"):
+        raise EEGError(f"fill_missing={fill_missing!r}: expected None (a missing channel is an error) or 'zeros'")
     if isinstance(recording, (str, os.PathLike)):
         raw = read_raw(recording)
     else:
         raw = recording.copy()
         if source is not None or not getattr(raw, "filenames_for_errors", None):
             raw.filenames_for_errors = source or _where(raw)
+    where = _where(raw)
     needed = _needed_channels(settings)
+    match = None
+    if settings.pairs() is None and settings.channels is not None:
+        match = match_channels(raw, settings.channels)
+        if match.missing and (fill_missing is None or not match.present):
+            raise match.missing_error(
+                "; fill_missing='zeros' (--fill-missing zeros) feeds missing channels as zeros" if fill_missing is None
+                else "; none of the model's channels is in the file, so there is nothing to fill around")
+        needed = match.present
+    elif fill_missing is not None and settings.pairs() is not None:
+        raise EEGError(f"{where}: fill_missing={fill_missing!r} needs named channels; the model reads bipolar pairs")
     raw = drop_bad_channels(raw, needed, notify_dropped=needed is None or (reference_all and settings.pairs() is None))
     pre = dict(sfreq=settings.sfreq, l_freq=settings.l_freq, h_freq=settings.h_freq, notch=settings.notch,
                allow_upsample=settings.allow_upsample)
     if settings.pairs() is not None:
         raw = preprocess(bipolar_montage(raw, settings.pairs()), reference=settings.reference, **pre)
     elif reference_all:
-        where = _where(raw)
-        if settings.channels is not None:
-            _resolve(raw, settings.channels)  # a missing channel is named before any filtering
-        raw = preprocess(raw.copy().pick("eeg"), reference=settings.reference, **pre)
+        import mne
+
+        scalp = scalp_channels(raw)
+        average = settings.reference == "average"
+        raw = preprocess(raw.copy().pick(mne.pick_types(raw.info, eeg=True, exclude=[])),
+                         reference=None if average else settings.reference, **pre)
+        if average:  # over the scalp channels only: an ECG or EOG channel is no part of the average
+            raw.set_eeg_reference(scalp, verbose="error")
         raw.filenames_for_errors = where
-        if settings.channels is not None:
-            raw = pick_channels(raw, settings.channels)
+        if needed is not None:
+            raw = pick_channels(raw, needed)
     else:
-        raw = pick_channels(raw, settings.channels) if settings.channels is not None else raw.copy().pick("eeg")
+        raw = pick_channels(raw, needed) if needed is not None else raw.copy().pick("eeg")
         raw = preprocess(raw, reference=settings.reference, **pre)
     x, starts = fixed_windows(raw, window_s=settings.window_s, stride_s=stride_s)
-    return to_model_units(x, uv_per_unit=settings.uv_per_unit), starts
+    x = to_model_units(x, uv_per_unit=settings.uv_per_unit)
+    if match is not None:
+        notes = []
+        if match.missing:
+            full = np.zeros((len(x), len(match.channels), x.shape[-1]), dtype=x.dtype)
+            full[:, [i for i, ch in enumerate(match.file_channels) if ch is not None]] = x
+            x, match.filled = full, True
+            notes.append(f"channel(s) {match.missing} are not in the file: fed to the model as zeros "
+                         "(fill_missing='zeros')")
+        if match.extra:
+            used = " (scalp channels among them still enter the average reference)" if reference_all else ""
+            notes.append(f"channel(s) {match.extra} are not among the model's channels: dropped{used}")
+        if notes and notify:
+            warnings.warn(f"{where}: " + "; ".join(notes), UserWarning, stacklevel=2)
+    return (x, starts, match) if return_match else (x, starts)
 
 
 class WindowDataset(Dataset):
-    """In-memory ``(x, y)`` windows; ``x`` float32 ``(n, C, T)``, ``y`` long (classes) or float."""
+    """In-memory ``(x, y)`` windows; ``x`` float32 ``(n, C, T)``, ``y`` long (classes) or float;
+    ``channels``: the names of the ``C`` channels, where known."""
 
-    def __init__(self, x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor | None = None, *, regression: bool = False):
+    def __init__(self, x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor | None = None, *, regression: bool = False,
+                 channels: Sequence[str] | None = None):
         self.x = torch.as_tensor(np.asarray(x, dtype=np.float32))
+        self.channels = None if channels is None else list(channels)
         if self.x.dim() != 3:
             raise EEGError(f"windows must have shape (n, n_chans, n_times), got {tuple(self.x.shape)}")
         if not torch.isfinite(self.x).all():
@@ -556,6 +724,8 @@ class WindowDataset(Dataset):
             self.y = y.float() if regression else y.long()
             if len(self.y) != len(self.x):
                 raise EEGError(f"{len(self.x)} windows but {len(self.y)} labels")
+        if self.channels is not None and len(self.channels) != self.x.shape[1]:
+            raise EEGError(f"{self.x.shape[1]} channels in the windows but {len(self.channels)} channel names")
 
     def __len__(self) -> int:
         return len(self.x)

@@ -118,8 +118,8 @@ class Config(ExperimentConfig):
 # ----------------------------------------------------------------------------- data
 
 
-def _load_split(cfg: Config, patterns: list[str]):
-    data = cfg.data
+def _load_split(cfg: Config, patterns: list[str], settings: eeg.EEGSettings | None = None):
+    data, settings = cfg.data, settings or cfg.data.eeg
     regression = cfg.task == "regression"
     if data.kind == "npz":
         xs, ys = [], []
@@ -138,8 +138,8 @@ def _load_split(cfg: Config, patterns: list[str]):
     files = list(eeg.iter_files(data.root, patterns))
     if not files:
         raise eeg.EEGError(f"data.root={data.root!r}: no file matches {patterns}")
-    xs, ys = zip(*(eeg.load_windows(f, data.eeg) for f in files))
-    return eeg.WindowDataset(np.concatenate(xs), np.concatenate(ys), regression=regression)
+    xs, ys = zip(*(eeg.load_windows(f, settings) for f in files))
+    return eeg.WindowDataset(np.concatenate(xs), np.concatenate(ys), regression=regression, channels=settings.channels)
 
 
 def build_datasets(cfg: Config):
@@ -149,8 +149,11 @@ def build_datasets(cfg: Config):
         return train, val, None
     if not cfg.data.train or not cfg.data.val:
         raise eeg.EEGError("data.train and data.val must name the training and validation files (globs under data.root)")
-    test = _load_split(cfg, cfg.data.test) if cfg.data.test else None
-    return _load_split(cfg, cfg.data.train), _load_split(cfg, cfg.data.val), test
+    # every file read by name in one channel order: data.eeg's, else the first training file's
+    files = cfg.data.kind == "files"
+    named = eeg.name_channels(cfg.data.eeg, eeg.iter_files(cfg.data.root, cfg.data.train)) if files else None
+    test = _load_split(cfg, cfg.data.test, named) if cfg.data.test else None
+    return _load_split(cfg, cfg.data.train, named), _load_split(cfg, cfg.data.val, named), test
 
 
 def build_task(cfg: Config) -> TaskData:
@@ -164,7 +167,8 @@ def build_task(cfg: Config) -> TaskData:
         labels = f"constructed: {cfg.labels_note}"
     n_chans, n_times = int(train.x.shape[1]), int(train.x.shape[2])
     info = {"input": f"{n_chans} ch x {n_times // 200} patches (200 Hz, 100 uV units)", "n_chans": n_chans,
-            "n_times": n_times, "train_examples": len(train), "val_examples": len(val)}
+            "n_times": n_times, "train_examples": len(train), "val_examples": len(val),
+            **({"channels": train.channels} if train.channels else {})}
     classes = class_names(cfg)
     if classes is not None:
         info["classes"] = classes
@@ -220,7 +224,7 @@ def retained_windows(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         if not files:
             raise eeg.EEGError(f"retained.root={section.root!r}: no file matches retained.files={section.files}")
         # the demo task references over all 64 channels before picking: the same here
-        xs = [eeg.recording_windows(f, settings, reference_all=cfg.data.kind == "demo")[0] for f in files]
+        xs = [eeg.recording_windows(f, settings, reference_all=cfg.data.kind == "demo", notify=False)[0] for f in files]
         x = torch.from_numpy(np.concatenate(xs)[: section.max_windows])
         n_patches = x.shape[-1] // 200
         if n_patches == 0 or x.shape[-1] % 200:
@@ -351,14 +355,16 @@ def _window_s(model: nn.Module, fallback: float) -> float:
     return n_times / 200.0 if n_times else fallback
 
 
-def settings_from_config(cfg: Config, model: nn.Module, *, source: str) -> InferenceSettings:
-    """The windowing a fine-tuning config used: ``data.eeg`` (files), the demo's (all 64 channels
-    average-referenced, then any 4 neighbouring channels x 4 s), or for ``npz`` runs, whose
-    windows were made outside domainfm and whose preprocessing is not recorded, ``data.eeg`` as
-    configured (default: 0.3-75 Hz, 60 Hz notch, 200 Hz, 100 µV) with the model's own
-    ``n_times``."""
-    settings = dataclasses.replace(cfg.data.eeg, window_s=_window_s(model, cfg.data.eeg.window_s))
-    note = {"demo": "; demo task: every EEG channel average-referenced, then the channels named",
+def settings_from_config(cfg: Config, model: nn.Module, *, source: str, channels: list | None = None) -> InferenceSettings:
+    """The windowing a fine-tuning config used: ``data.eeg`` (files; ``channels``: those the task's
+    windows had), the demo's (the scalp channels average-referenced, then 4 neighbouring channels x
+    4 s: by default the first frontal group), or for ``npz`` runs, whose windows were made outside
+    domainfm and whose preprocessing is not recorded, ``data.eeg`` as configured (default: 0.3-75
+    Hz, 60 Hz notch, 200 Hz, 100 µV) with the model's own ``n_times``."""
+    demo = DEMO_REGIONS["frontal"][:4] if cfg.data.kind == "demo" else None  # it takes any 4 neighbours
+    settings = dataclasses.replace(cfg.data.eeg, channels=channels or cfg.data.eeg.channels or demo,
+                                   window_s=_window_s(model, cfg.data.eeg.window_s))
+    note = {"demo": f"; demo task: scalp channels average-referenced, then 4 neighbouring ones (default {demo})",
             "npz": "; npz windows: preprocessing not recorded, data.eeg as configured"}.get(cfg.data.kind, "")
     return InferenceSettings(settings, reference_all=cfg.data.kind == "demo", task=cfg.task,
                              classes=class_names(cfg), source=source + note)
@@ -401,18 +407,19 @@ def _save_inference_settings(ctx) -> dict[str, Any]:
     cfg = ctx.cfg
     if ctx.seed != cfg.train.seed + cfg.adapt.seeds[0]:
         return {}  # only the first seed's model is saved
-    apply.write_settings(Path(ctx.run_dir) / "model", settings_from_config(cfg, ctx.model, source="fine-tuning config").to_json())
+    settings = settings_from_config(cfg, ctx.model, source="fine-tuning config", channels=ctx.task.info.get("channels"))
+    apply.write_settings(Path(ctx.run_dir) / "model", settings.to_json())
     return {}
-
 
 
 @dataclass
 class ApplyOptions:
     channels: list[str] | None = apply.option(
-        None, "comma-separated channel names replacing the model's channel list (same count and order)")
+        None, "comma-separated channel names replacing the model's (same count and order; found by name)")
     stride_s: float | None = apply.option(None, "window step in seconds (default: the window length)")
     allow_upsample: bool = apply.option(False, "accept a recording sampled below the model's rate (upsampled; adds "
                                                "no content)")
+    fill_missing: str | None = apply.option(None, "zeros: feed channels the recording lacks as zeros", choices=["zeros"])
 
 
 def _apply_overrides(settings: InferenceSettings, *, channels: list[str] | None = None,
@@ -431,18 +438,20 @@ class _Windows:
     starts: np.ndarray
     settings: InferenceSettings
     source: str
+    channel_note: str = ""  # how the model's channels were found in the recording (for the summary)
 
 
 def _read(recording, settings: InferenceSettings, options: ApplyOptions | None) -> _Windows:
     options = options or ApplyOptions()
     settings = _apply_overrides(settings, channels=options.channels, allow_upsample=options.allow_upsample)
     source = str(recording) if isinstance(recording, (str, Path)) else getattr(recording, "filenames_for_errors", None)
-    x, starts = eeg.recording_windows(recording, settings.eeg, stride_s=options.stride_s,
-                                      reference_all=settings.reference_all, source=source)
+    x, starts, match = eeg.recording_windows(recording, settings.eeg, stride_s=options.stride_s, return_match=True,
+                                             reference_all=settings.reference_all, source=source,
+                                             fill_missing=options.fill_missing)
     if x.shape[-1] % 200:
         raise eeg.EEGError(f"{source or '<recording>'}: window_s={settings.eeg.window_s} gives {x.shape[-1]} samples, "
                            "not whole 1-s patches")
-    return _Windows(x, starts.astype(np.float64), settings, source or "<recording>")
+    return _Windows(x, starts.astype(np.float64), settings, source or "<recording>", f"; {match}" if match else "")
 
 
 def _check_channels(data: _Windows, model: nn.Module) -> None:
@@ -461,7 +470,7 @@ def _predict(data: _Windows, model: nn.Module, settings, options, run: apply.Run
     _check_channels(data, model)
     logits = run.batched(model, torch.from_numpy(data.x))
     frame = pd.DataFrame({"start_s": data.starts, "end_s": data.starts + data.settings.eeg.window_s})
-    summary = f"{len(frame)} windows (settings: {data.settings.source})"
+    summary = f"{len(frame)} windows (settings: {data.settings.source}{data.channel_note})"
     if data.settings.task == "regression":
         frame["predicted"] = logits.reshape(len(logits), -1)[:, 0].double().numpy()
         return apply.Output(frame, summary=summary)
@@ -490,7 +499,7 @@ def _embed(data: _Windows, model: nn.Module, settings, options, run: apply.Runti
     emb = run.batched(pooled, torch.from_numpy(data.x)).numpy()
     out = {"start_s": data.starts, "end_s": data.starts + data.settings.eeg.window_s, "embeddings": emb,
            "channels": np.asarray(data.settings.eeg.channels or [], dtype=str)}
-    return apply.Output(out, summary=f"{emb.shape[0]} windows x {emb.shape[1]} (settings: {data.settings.source})")
+    return apply.Output(out, summary=f"{emb.shape[0]} windows x {emb.shape[1]} (settings: {data.settings.source}{data.channel_note})")
 
 
 APPLY = apply.Applier(
@@ -509,14 +518,15 @@ APPLY = apply.Applier(
 
 def predict(recording, model: str | Path | nn.Module, settings: InferenceSettings | None = None, *,
             channels: list[str] | None = None, stride_s: float | None = None, allow_upsample: bool = False,
-            batch_size: int = 32, precision: str = "auto", arm: str | None = None):
+            batch_size: int = 32, precision: str = "auto", arm: str | None = None, fill_missing: str | None = None):
     """Class probabilities of a fine-tuned CBraMod for every window of one recording.
 
     Args:
         recording: an EDF/BDF/FIF/BrainVision (.vhdr)/EEGLAB (.set) file, or an MNE ``Raw``.
         model: a fine-tuned model, a ``save_pretrained`` folder or a run folder (``arm``).
         settings: the windowing (default :func:`inference_settings` of ``model``).
-        channels: replace the settings' channel list (same count and order as in training).
+        channels: the model's channels, found by name in the recording (default those it was trained on);
+            ``fill_missing="zeros"`` feeds those the recording lacks as zeros (default: an error).
         stride_s: window step (default the window length: consecutive, non-overlapping windows).
         precision: ``auto`` (bf16 autocast where the device has native bf16, else fp32),
             ``32-true`` or ``bf16-mixed``. Tolerance (tested): bf16 logits differ from fp32 by
@@ -530,13 +540,13 @@ def predict(recording, model: str | Path | nn.Module, settings: InferenceSetting
     regression model gives ``predicted`` only.
     """
     return apply.run("predict", APPLY, model, recording, settings=settings, arm=arm, precision=precision,
-                     batch_size=batch_size, options=ApplyOptions(channels, stride_s, allow_upsample)).value
+                     batch_size=batch_size, options=ApplyOptions(channels, stride_s, allow_upsample, fill_missing)).value
 
 
 def embed(recording, model: str | Path | nn.Module = "cbramod-base", settings: InferenceSettings | None = None, *,
           channels: list[str] | None = None, stride_s: float | None = None, allow_upsample: bool = False,
-          batch_size: int = 32, precision: str = "auto", arm: str | None = None, pretrained: Any = None
-          ) -> dict[str, np.ndarray]:
+          batch_size: int = 32, precision: str = "auto", arm: str | None = None, pretrained: Any = None,
+          fill_missing: str | None = None) -> dict[str, np.ndarray]:
     """Per-window CBraMod embeddings of one recording: ``{"start_s", "end_s", "embeddings" (n,
     num_features), "channels"}``. The patch features (``forward_features``, ``(C, N, d)``) are
     pooled as the model's head sees them: the head's ``pre_logits`` (the ``all_patch_reps`` MLP's
@@ -545,4 +555,4 @@ def embed(recording, model: str | Path | nn.Module = "cbramod-base", settings: I
     Arguments as :func:`predict`; ``pretrained`` picks the weights of a model given by name."""
     return apply.run("embed", APPLY, model, recording, settings=settings, arm=arm, pretrained=pretrained,
                      precision=precision, batch_size=batch_size,
-                     options=ApplyOptions(channels, stride_s, allow_upsample)).value
+                     options=ApplyOptions(channels, stride_s, allow_upsample, fill_missing)).value

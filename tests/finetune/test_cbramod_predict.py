@@ -7,8 +7,10 @@ precision tolerance, clear errors for bad recordings, and the forgetting measure
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import warnings
 
 import mne
 import numpy as np
@@ -200,12 +202,12 @@ def test_bad_recordings_are_one_line_errors_naming_the_file(runs, tmp_path, caps
     first = err.splitlines()[0]
     assert first.startswith("domainfm predict: error: ") and str(rec) in first and expected in first
     assert "Traceback" not in err and len([l for l in err.splitlines() if "error" in l]) == 1
-    # the demo model needs its 4 channels named: a clear error, not a shape error
+    # the demo model takes 4 channels: naming 3 is a clear error, not a shape error
     if case == "wrong_channels":
         code = cli.main(["predict", "cbramod", "--model", str(runs["demo"]), "--input", str(SHIPPED),
-                         "--output", str(out)])
+                         "--output", str(out), "--channels", "Fp1,Fp2,Oz"])
         err = capsys.readouterr().err
-        assert code == 2 and "the model takes 4 channels but the recording gives 64" in err and str(SHIPPED) in err
+        assert code == 2 and "the model takes 4 channels but the recording gives 3" in err and str(SHIPPED) in err
 
 
 def test_predict_warns_about_a_truncated_edf_and_bad_channels_and_still_answers(runs, tmp_path):
@@ -304,3 +306,145 @@ def test_reconstruction_head_comes_from_the_stage_or_is_reported_missing(tmp_pat
     cfg.stages = []
     out = ft.RETAINED(ctx)
     assert np.isnan(out["masked_mse"]) and "no pretrained model" in out["note"]
+
+
+# ----------------------------------------------------------------------------- the channel contract
+
+DEMO_DEFAULT = ["Fp1", "Fpz", "Fp2", "Af7"]  # the first 4-channel group of the demo's frontal region
+# non-scalp signals that TUH-style EDFs carry and type as EEG
+EXTRAS = ["EEG EKG1-REF", "EOG ROC", "EEG A1-REF", "EEG 26-REF", "PHOTIC-REF"]
+
+
+def _tuh_name(name):
+    """A shipped (EEGMMIDB) label as TUH writes it: upper case, 'EEG ' and '-REF', old 10-20 names."""
+    key = name.rstrip(".").upper()
+    old = {"T7": "EEG T3-REF", "T8": "EEG T4-REF", "P7": "EEG T5-LE", "P8": "EEG T6-LE"}
+    return old.get(key, f"EEG {key}-REF")
+
+
+def _export(path, data, names, sfreq):
+    raw = mne.io.RawArray(data, mne.create_info(list(names), sfreq, "eeg"), verbose="error")
+    # each channel quantised on its own range, so its samples do not depend on the other channels
+    mne.export.export_raw(str(path), raw, fmt="edf", physical_range="channelwise", overwrite=True, verbose="error")
+    return path
+
+
+def _clean_and_tuh(source, tmp_path, drop=()):
+    """(clean, tuh): ``source``'s signals re-written as EDF under its own names, and again with TUH
+    names, in reversed order, with five extra channels (±800 µV) in the middle, less ``drop``."""
+    raw = eeg.read_raw(source)
+    data, names, sfreq = raw.get_data(), list(raw.ch_names), raw.info["sfreq"]
+    clean = _export(tmp_path / f"clean_{source.stem}.edf", data, names, sfreq)
+    keep = [i for i, n in enumerate(names) if n.rstrip(".") not in drop][::-1]
+    t = np.arange(data.shape[1]) / sfreq
+    extra = np.stack([800e-6 * np.sin(2 * np.pi * (1.3 + k) * t) for k in range(len(EXTRAS))])
+    half = len(keep) // 2
+    rows = np.concatenate([data[keep[:half]], extra, data[keep[half:]]])
+    tuh_names = [_tuh_name(names[i]) for i in keep[:half]] + EXTRAS + [_tuh_name(names[i]) for i in keep[half:]]
+    return clean, _export(tmp_path / f"tuh_{source.stem}.edf", rows, tuh_names, sfreq)
+
+
+def _probs(frame):
+    return frame[[c for c in frame.columns if c.startswith("p_")]].to_numpy()
+
+
+def test_the_demo_run_remembers_its_channels_and_predicts_the_shipped_recording_without_channels(runs, tmp_path,
+                                                                                                 capsys):
+    recorded = json.loads((runs["demo"] / "pretrained" / "model" / ft.SETTINGS_FILE).read_text())
+    assert recorded["eeg"]["channels"] == DEMO_DEFAULT and recorded["reference_all"] is True
+    out = tmp_path / "pred.csv"
+    capsys.readouterr()
+    assert cli.main(["predict", "cbramod", "--model", str(runs["demo"]), "--input", str(SHIPPED), "--output", str(out),
+                     "--precision", "32-true", "--stride-s", "2"]) == 0
+    summary = capsys.readouterr().out
+    assert "4 of the model's 4 channels found by name (Fp1=Fp1., Fpz=Fpz., Fp2=Fp2., Af7=Af7.)" in summary
+    assert "60 other channel(s) of the file dropped" in summary
+    # the first 19 windows are the demo task's training windows of its first channel group (frontal)
+    train, _ = ft.build_demo_task(run_config(runs["demo"], ft.Config).data.eeg)
+    model = create_model(runs["demo"] / "pretrained" / "model").eval()
+    with torch.no_grad():
+        expected = torch.softmax(model(train.x[:19]).double(), dim=-1).numpy()
+    assert (train.y[:19] == 0).all()
+    np.testing.assert_allclose(_probs(_csv(out))[:19], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("run, source, channels", [("demo", SHIPPED, None), ("demo", SHIPPED, "P7,P5,P3,P1"),
+                                                   ("files", "val.edf", None)])
+def test_a_tuh_style_edf_gives_the_clean_files_probabilities(runs, tmp_path, capsys, run, source, channels):
+    source = runs["data"] / source if isinstance(source, str) else source
+    clean, tuh = _clean_and_tuh(source, tmp_path)
+    frames = {}
+    for name, path in (("clean", clean), ("tuh", tuh)):
+        out = tmp_path / f"{name}.csv"
+        args = ["predict", "cbramod", "--model", str(runs[run]), "--input", str(path), "--output", str(out),
+                "--precision", "32-true"] + (["--channels", channels] if channels else [])
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            assert cli.main(args) == 0
+        frames[name] = _csv(out)
+    notices = [str(w.message) for w in record if "are not among the model's channels: dropped" in str(w.message)]
+    assert len(notices) == 1 and notices[0].startswith(f"{tuh}: ") and "\n" not in notices[0]
+    assert all(repr(x) in notices[0] for x in EXTRAS)
+    summary = capsys.readouterr().out
+    if channels == "P7,P5,P3,P1":  # P7 is the TUH file's old name T5, with a '-LE' suffix
+        assert "P7=EEG T5-LE, P5=EEG P5-REF, P3=EEG P3-REF, P1=EEG P1-REF" in summary
+    assert len(frames["tuh"]) == len(frames["clean"]) > 0
+    assert (frames["tuh"]["predicted"] == frames["clean"]["predicted"]).all()
+    np.testing.assert_allclose(_probs(frames["tuh"]), _probs(frames["clean"]), atol=1e-6)
+
+
+def test_a_missing_channel_is_an_error_and_fill_missing_zeros_runs_and_says_so(runs, tmp_path, capsys):
+    _, tuh = _clean_and_tuh(SHIPPED, tmp_path, drop=("Af7",))
+    out = tmp_path / "pred.csv"
+    capsys.readouterr()
+    base = ["--model", str(runs["demo"]), "--input", str(tuh), "--precision", "32-true"]
+    assert cli.main(["predict", "cbramod", *base, "--output", str(out)]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert f"{tuh}: channel(s) ['Af7'] not found" in first and "--fill-missing zeros" in first and not out.exists()
+    assert "the file has ['EEG IZ-REF', 'EEG O2-REF'" in first and "'EEG EKG1-REF'" in first  # reversed order
+
+    with pytest.warns(UserWarning, match=r"\['Af7'\] are not in the file: fed to the model as zeros"):
+        assert cli.main(["predict", "cbramod", *base, "--output", str(out), "--fill-missing", "zeros"]) == 0
+    assert "missing ['Af7'] filled with zeros (fill_missing='zeros')" in capsys.readouterr().out
+    # independent: the 3 present channels as the loader gives them, and a row of zeros where Af7 goes
+    settings = ft.inference_settings(runs["demo"], create_model(runs["demo"] / "pretrained" / "model"))
+    present = dataclasses.replace(settings.eeg, channels=["Fp1", "Fpz", "Fp2"])
+    x3 = eeg.recording_windows(tuh, present, reference_all=True, notify=False)[0]
+    x = torch.from_numpy(np.concatenate([x3, np.zeros_like(x3[:, :1])], axis=1))
+    model = create_model(runs["demo"] / "pretrained" / "model").eval()
+    with torch.no_grad():
+        expected = torch.softmax(model(x).double(), dim=-1).numpy()
+    np.testing.assert_allclose(_probs(_csv(out)), expected, atol=1e-6)
+
+    emb = tmp_path / "emb.npz"
+    with pytest.warns(UserWarning, match="fed to the model as zeros"):
+        assert cli.main(["embed", "cbramod", *base, "--output", str(emb), "--fill-missing", "zeros"]) == 0
+    assert "missing ['Af7'] filled with zeros" in capsys.readouterr().out
+    with np.load(emb) as arrays:
+        assert arrays["embeddings"].shape == (len(expected), model.num_features)
+        assert arrays["channels"].tolist() == DEMO_DEFAULT
+
+
+def test_a_files_run_without_channel_names_records_the_first_files_channels(runs, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_labelled(data / "train.edf", seed=0)
+    # validation and test files list the same electrodes in another order: read by name, not by position
+    _write_labelled(data / "val.edf", seconds=20, seed=1, names=("O2", "Fp2", "O1", "Fp1"))
+    common = ["model.name=cbramod-test", f"model.pretrained={runs['weights']}", "model.kwargs={}", "stages=[]",
+              "train.max_steps=2", "train.batch_size=8", "train.progress=false", "retained.enabled=false",
+              "--runs-dir", str(tmp_path / "runs")]
+    assert cli.main(["finetune", "cbramod", "data.kind=files", f"data.root={data}", "data.train=[train.edf]",
+                     "data.val=[val.edf]", "data.eeg.channels=null", "data.eeg.events={A: 0, B: 1}",
+                     "data.eeg.window_s=2.0", "n_outputs=2", "arms=[pretrained]", *common, "--name", "unnamed"]) == 0
+    run = tmp_path / "runs" / "cbramod" / "unnamed"
+    recorded = json.loads((run / "pretrained" / "model" / ft.SETTINGS_FILE).read_text())
+    assert recorded["eeg"]["channels"] == ["Fp1", "Fp2", "O1", "O2"]
+    assert json.loads((run / "report.json").read_text())["data"]["channels"] == ["Fp1", "Fp2", "O1", "O2"]
+    # the reordered file, read by name, gives what the same signals in training order give
+    raw = eeg.read_raw(data / "val.edf")
+    reordered = _export(tmp_path / "val_ordered.edf", raw.get_data(picks=["Fp1", "Fp2", "O1", "O2"]),
+                        ["Fp1", "Fp2", "O1", "O2"], raw.info["sfreq"])
+    shuffled = _export(tmp_path / "val_shuffled.edf", raw.get_data(), raw.ch_names, raw.info["sfreq"])
+    got = [ft.predict(path, run, precision="32-true") for path in (reordered, shuffled)]
+    np.testing.assert_allclose(_probs(got[1]), _probs(got[0]), atol=1e-6)
