@@ -114,3 +114,14 @@ def test_the_run_of_a_model_folder_and_of_an_arm(tmp_path):
     ctx = ArmContext(None, "random:lora", 0, None, None, run / "random-lora" / "seed2", None, "lora")
     assert ctx.run_root == run
     assert ArmContext(None, "pretrained", 0, None, None, run / "pretrained", None, "full").run_root == run
+
+
+def test_a_name_without_weights_is_seeded_and_leaves_the_callers_rng(capsys):
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    first, _ = apply.resolve("cbramod-test")
+    assert torch.equal(torch.random.get_rng_state(), state)
+    second, _ = apply.resolve("cbramod-test")
+    for a, b in zip(first.state_dict().values(), second.state_dict().values()):
+        assert torch.equal(a, b)
+    assert "RANDOM initialisation, seed 0" in capsys.readouterr().err

@@ -231,10 +231,15 @@ def resolve(model: Any, *, arm: str | None = None, pretrained: Any = None, devic
     elif ref.model_dir is not None:
         module = create_model(ref.model_dir, **kwargs)
     elif pretrained is None and not zoo.get_card(zoo.split_tag(str(model))[0]).weights:
-        # a registered name whose card lists no weights (a test-sized variant): random init, said aloud
-        print(f"warning: {model} has no registered weights: RANDOM initialisation (pass a run or model folder as "
-              "--model, or --pretrained, for a trained model)", file=sys.stderr)
-        module = create_model(str(model), **kwargs)
+        # a registered name whose card lists no weights (a test-sized variant): random init, said aloud,
+        # and seeded (seed 0) so that two calls give the same outputs; the caller's RNG is left alone
+        print(f"warning: {model} has no registered weights: RANDOM initialisation, seed 0 (pass a run or model "
+              "folder as --model, or --pretrained, for a trained model)", file=sys.stderr)
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            module = create_model(str(model), **kwargs)
     else:
         if isinstance(pretrained, str) and pretrained.strip().lower() in ("none", "false", "random"):
             pretrained = False  # --pretrained none: random init
