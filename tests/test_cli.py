@@ -4,7 +4,7 @@ import pytest
 
 from domainfm import cli, hub
 
-COMMANDS = ["list", "info", "download", "pretrain", "finetune", "evaluate", "predict"]
+COMMANDS = ["list", "info", "download", "pretrain", "finetune", "evaluate", "predict", "export"]
 
 
 @pytest.mark.parametrize("command", [None, *COMMANDS])

@@ -8,6 +8,7 @@
     domainfm evaluate RUN_DIR
     domainfm predict FAMILY --model MODEL_OR_RUN_DIR --input PATH --output PATH [family options]
     domainfm embed FAMILY --model MODEL_OR_RUN_DIR --input PATH --output PATH [family options]
+    domainfm export MODEL_OR_RUN_DIR --output FILE [--format onnx|pt2] [--input-shape SHAPE ...]
 
 Options of ``domainfm`` itself (``--debug``: show the traceback of a user error) may stand anywhere
 on the command line, before or after the subcommand and among a predict/embed family's own
@@ -281,6 +282,17 @@ def _cmd_apply(command: str, args) -> int:
     return int(entry(args.rest) or 0)
 
 
+def _cmd_export(args) -> int:
+    """``domainfm export``: :func:`domainfm.export.export` (torch.onnx and onnx load only here)."""
+    from domainfm.export import export
+
+    result = export(args.model, args.output, format=args.format, opset=args.opset,
+                    dynamic_batch=not args.static_batch, input_shapes=args.input_shape,
+                    features=args.features, pretrained=args.pretrained, arm=args.arm)
+    print(result.summary())
+    return 0
+
+
 #: options of the ``domainfm`` command itself -> their help; recognised anywhere before ``--``
 GLOBAL_FLAGS = {
     "--debug": "show the full traceback of an error (user errors are otherwise one line); "
@@ -391,6 +403,28 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("family")
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=lambda a, c=command: _cmd_apply(c, a))
+
+    p = add("export", help="export a model to ONNX or a torch.export program (.pt2)",
+            description="Write MODEL (a registered name, a saved model folder or a run folder) as an ONNX file "
+                        "or a torch.export program, traced with its model card's example input; the file is "
+                        "checked (ONNX: onnx.checker, and onnxruntime against the model's outputs when it is "
+                        "installed; .pt2: reloaded and run) before it is written.")
+    p.add_argument("model", metavar="MODEL", help="a registered model name, a save_pretrained folder, or a run folder")
+    p.add_argument("--output", required=True, help="the file to write (.onnx or .pt2; written atomically)")
+    p.add_argument("--format", default=None, help="onnx or pt2 (default: from --output's extension)")
+    p.add_argument("--pretrained", default=None,
+                   help="with a model name: the weights (a path, URL or hf:// source; 'none' for random init; "
+                        "default the card's own)")
+    p.add_argument("--arm", default=None, help="with a run folder: the arm whose model to export (default the first)")
+    p.add_argument("--input-shape", action="append", default=None, metavar="SHAPE",
+                   help="the shape of an input, e.g. 2,19,6000 (or 2,168,22:bool), once per input in order; "
+                        "default: the model card's example input, resized to the model's own sizes")
+    p.add_argument("--features", action="store_true",
+                   help="export forward_features (the embedding) instead of forward: a backbone without a head")
+    p.add_argument("--opset", type=int, default=None, help="ONNX opset version (default the exporter's)")
+    p.add_argument("--static-batch", action="store_true",
+                   help="keep the example's batch size fixed (default: a free batch dimension where the model allows)")
+    p.set_defaults(func=_cmd_export)
     return parser
 
 
