@@ -258,3 +258,16 @@ def test_config_takes_a_shipped_name_a_file_and_refuses_a_folder(tmp_path, capsy
         assert cli._config_file("fim", "pretrain", "pretrain") == cfgmod.config_path("fim", "pretrain")
     finally:
         os.chdir(cwd)
+
+
+def test_the_console_script_prints_user_notices_on_one_line():
+    import subprocess
+    import sys
+
+    code = ("import sys, warnings; from domainfm import cli; sys.argv = ['domainfm', 'list', 'nothing-*']; "
+            "warnings.warn('x.edf: truncated EDF file'); cli.main(); warnings.warn('x.edf: channel T3 dropped')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    # before main() the default two-line format; from the console script on, one line per notice
+    assert lines[-1] == "warning: x.edf: channel T3 dropped", done.stderr
+    assert any("UserWarning: x.edf: truncated EDF file" in line for line in lines[:-1])

@@ -478,9 +478,22 @@ def _one_line_message(exc: BaseException, args) -> str:
 _DEBUG_HINT = "  (run again with --debug for the traceback)"
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Notices to the user (a dropped channel, a truncated file) as one line, not with the source
+    line that raised them; other warnings keep their category."""
+    if category is UserWarning:
+        return f"warning: {message}\n"
+    return f"{category.__name__}: {message} ({filename}:{lineno})\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    as_script = argv is None  # the console script: its notices are one line each
     argv, flags = split_global_flags(list(sys.argv[1:] if argv is None else argv))
     debug = "--debug" in flags or os.environ.get("DOMAINFM_DEBUG", "").strip() in {"1", "true", "yes"}
+    if as_script and not debug:
+        import warnings
+
+        warnings.formatwarning = _one_line_warning
     parser = build_parser()
     # key=value overrides may also follow --options (argparse stops filling a positional list
     # at the first option); anything else left over is an error as usual
