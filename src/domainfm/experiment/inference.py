@@ -8,9 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
-__all__ = ["run_root", "add_model_arguments", "load_model", "resolve_model_dir", "run_config", "run_report", "positive_int",
+__all__ = ["run_root", "resolve_model_dir", "run_config", "run_report", "positive_int",
            "positive_float", "unit_interval", "quantile_levels"]
 
 
@@ -59,21 +57,6 @@ def quantile_levels(text: str) -> list[float]:
     return levels
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str | None = None) -> None:
-    """The arguments every predict/embed command shares."""
-    parser.add_argument("--model", default=default_model, required=default_model is None,
-                        help="a registered model name, a save_pretrained folder, or a run folder"
-                             + (f" (default {default_model})" if default_model else ""))
-    parser.add_argument("--arm", default=None, help="with a run folder: the arm whose model to use (default the first)")
-    parser.add_argument("--pretrained", default=None,
-                        help="with a model name: the weights (a path, URL or hf:// source; default the card's own)")
-    parser.add_argument("--input", required=True, help="the input file")
-    parser.add_argument("--output", required=True, help="the output file (written atomically)")
-    parser.add_argument("--precision", default="auto",
-                        help="auto (bf16 where the hardware has it natively, else fp32), 32-true or bf16-mixed")
-    parser.add_argument("--device", default="cpu")
-
-
 def resolve_model_dir(model: str | Path, arm: str | None = None) -> Path | None:
     """The save_pretrained folder ``model`` names (a run folder resolves to ``<arm>/model``), or
     None when ``model`` is not a folder."""
@@ -100,19 +83,6 @@ def resolve_model_dir(model: str | Path, arm: str | None = None) -> Path | None:
             raise RunFolderError(f"{model_dir}: arm {arm!r} saved no model")
         return model_dir
     return path
-
-
-def load_model(model: str | Path | nn.Module, *, arm: str | None = None, pretrained: Any = None,
-               **kwargs: Any) -> nn.Module:
-    """The model ``predict``/``embed`` apply, in eval mode."""
-    from domainfm import create_model
-
-    if isinstance(model, nn.Module):
-        return model.eval()
-    model_dir = resolve_model_dir(model, arm)
-    if model_dir is not None:
-        return create_model(model_dir, **kwargs).eval()
-    return create_model(str(model), pretrained=True if pretrained is None else pretrained, **kwargs).eval()
 
 
 def run_root(model: str | Path) -> Path | None:
