@@ -189,6 +189,11 @@ def _check_resume_config(folder, cfg) -> list[str]:
     if not folder.config_file.is_file():
         raise RunFolderError(f"train.resume=true but {folder.path} has no config.yaml to resume")
     saved = yaml.safe_load(folder.config_file.read_text()) or {}
+    try:
+        # a key added to the config since the run was saved means its default there
+        saved = cfgmod.to_dict(cfgmod.from_dict(type(cfg), saved))
+    except (TypeError, ValueError, KeyError):
+        pass  # a key since removed: compared as written, and named in the refusal
     now = cfgmod.to_dict(cfg)
     fixed, other = [], []
     for section in sorted(set(now) | set(saved), key=str):
