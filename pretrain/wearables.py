@@ -108,17 +108,22 @@ class Config:
 class WeekDataset(Dataset):
     """Participant-weeks: item ``i`` is ``(values (168, V), observed (168, V), participant, partner)``;
     ``partner`` is a second week (values, observed) of the same participant when ``positives`` is
-    ``participant`` and the participant has one, else the same week."""
+    ``participant`` and the participant has one, else the same week.
+
+    ``seed=None`` (training): each partner is drawn from torch's global RNG, which the engine's
+    checkpoints save and restore on every rank, so a resumed run draws what the uninterrupted run
+    would have (a generator of the dataset's own would be state no checkpoint holds). ``seed``
+    given (evaluation): one fixed partner per week, a function of ``(seed, i)`` only."""
 
     def __init__(self, values: np.ndarray, observed: np.ndarray, participant: np.ndarray, *, positives: str = "views",
-                 seed: int = 0):
+                 seed: int | None = None):
         self.values = torch.as_tensor(np.asarray(values, dtype=np.float32))
         self.observed = torch.as_tensor(np.asarray(observed, dtype=bool))
         self.participant = torch.as_tensor(np.asarray(participant, dtype=np.int64))
         if not (len(self.values) == len(self.observed) == len(self.participant)):
             raise ValueError("WeekDataset: values, observed and participant must have the same length")
         self.positives = positives
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(self.participant.tolist()):
             groups.setdefault(p, []).append(i)
@@ -132,7 +137,11 @@ class WeekDataset(Dataset):
         if self.positives == "participant":
             others = [k for k in self.groups[int(self.participant[i])] if k != i]
             if others:
-                j = others[int(self.rng.integers(len(others)))]
+                if self.seed is None:
+                    pick = int(torch.randint(len(others), ()).item())
+                else:
+                    pick = int(np.random.default_rng((self.seed, i)).integers(len(others)))
+                j = others[pick]
         return self.values[i], self.observed[i], self.participant[i], self.values[j], self.observed[j]
 
 
@@ -292,10 +301,10 @@ class ContrastiveRecipe(Recipe):
 def build_datasets(cfg: Config):
     values, observed, participant, variables, stats, info = load_weeks(cfg.data)
     train_idx, val_idx = _split(participant, cfg.data.val_fraction, cfg.train.seed)
-    make = lambda idx: WeekDataset(values[idx], observed[idx], participant[idx], positives=cfg.positives,  # noqa: E731
-                                   seed=cfg.train.seed)
-    train = make(train_idx)
-    val = make(val_idx) if len(val_idx) else None
+    make = lambda idx, seed: WeekDataset(values[idx], observed[idx], participant[idx],  # noqa: E731
+                                         positives=cfg.positives, seed=seed)
+    train = make(train_idx, None)
+    val = make(val_idx, cfg.train.seed) if len(val_idx) else None
     info.update({"weeks": int(len(values)), "participants": int(len(np.unique(participant))),
                  "train_weeks": int(len(train_idx)), "val_weeks": int(len(val_idx)),
                  "observed_fraction": round(float(observed.mean()), 4)})

@@ -17,11 +17,33 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["atomic_path", "atomic_paths", "atomic_write_text", "atomic_write_bytes", "atomic_write_json", "atomic_torch_save",
+__all__ = ["atomic_path", "atomic_paths", "follower_writes", "atomic_write_text", "atomic_write_bytes", "atomic_write_json", "atomic_torch_save",
            "remove_stale_temps", "TMP_MARK"]
 
 TMP_MARK = ".tmp-"
 _counter = itertools.count()
+#: where a follower process's writes go instead of their targets (see :func:`follower_writes`)
+_scratch: Path | None = None
+
+
+@contextlib.contextmanager
+def follower_writes() -> Iterator[Path]:
+    """Within the block, every write through this module goes to a private scratch folder and
+    is discarded instead of being renamed onto its target: for the ranks of a multi-process run
+    other than rank 0, which compute the same model but must not write into the run folder rank
+    0 owns (two writers renaming onto one checkpoint or report). Process-wide; the CLI enters it
+    only in those ranks."""
+    import shutil
+    import tempfile
+
+    global _scratch
+    previous = _scratch
+    _scratch = Path(tempfile.mkdtemp(prefix="domainfm-follower-"))
+    try:
+        yield _scratch
+    finally:
+        shutil.rmtree(_scratch, ignore_errors=True)
+        _scratch = previous
 
 
 @contextlib.contextmanager
@@ -30,6 +52,14 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     remove it when the block raises. ``suffix`` keeps an extension some writers insist on
     (e.g. ``.npz``, ``.tif``)."""
     path = Path(path)
+    if _scratch is not None:
+        tmp = _scratch / f"{next(_counter)}-{path.name}{suffix}"
+        try:
+            yield tmp
+        finally:
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                tmp.unlink()
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{next(_counter)}{suffix}")
     try:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from domainfm import distributed
 from domainfm.launch import config_file as _config_file, family_entry
 
 __all__ = ["main", "family_entry", "print_table"]
@@ -99,8 +100,10 @@ def _run_family(kind: str, args) -> int:
         args.overrides = list(args.overrides) + [f"train.precision={args.precision}"]
     raw = cfgmod.apply_overrides(cfgmod.load_yaml(config_file), args.overrides)
     cfg = cfgmod.from_dict(module.Config, raw)
-    name = args.name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     resume = bool(getattr(getattr(cfg, "train", None), "resume", False))
+    if distributed.launch_rank() != 0:
+        return _run_follower(module, cfg, kind, args)
+    name = args.name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = Path(args.runs_dir) / args.family / name
     if resume and not (path / "run.json").is_file():
         raise RunFolderError(
@@ -117,12 +120,9 @@ def _run_family(kind: str, args) -> int:
             folder.write_meta(family=args.family, kind=kind, name=name, config_source=str(config_file),
                               overrides=list(args.overrides))
         print(f"domainfm {kind} {args.family}: run folder {folder.path}" + (" (resumed)" if resume else ""))
-        seed = getattr(getattr(cfg, "train", None), "seed", None)
-        if seed is not None:
-            # before run() builds the model: the same config gives the same initial weights
-            from lightning_fabric.utilities.seed import seed_everything
-
-            seed_everything(seed, verbose=False)
+        _seed(cfg)
+        # the ranks Fabric launches from inside run() inherit this and use the same folder
+        os.environ[distributed.RUN_DIR_ENV] = str(folder.path.resolve())
         start = time.perf_counter()
         report = dict(module.run(cfg, folder.path) or {})
         report.setdefault("family", args.family)
@@ -150,6 +150,38 @@ def _run_family(kind: str, args) -> int:
         flat = {k: v for k, v in report.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
         print_table(flat, title=title)
     _print_outputs(folder.path, report)
+    return 0
+
+
+def _seed(cfg) -> None:
+    seed = getattr(getattr(cfg, "train", None), "seed", None)
+    if seed is not None:
+        # before run() builds the model: the same config gives the same initial weights
+        from lightning_fabric.utilities.seed import seed_everything
+
+        seed_everything(seed, verbose=False)
+
+
+def _run_follower(module, cfg, kind: str, args) -> int:
+    """A rank other than 0 of a multi-process run: rank 0 owns the run folder (its lock, config,
+    report, checkpoints, saved model); this rank trains in step with it, resumes from the same
+    folder, and writes nothing there."""
+    from domainfm.atomic import follower_writes
+    from domainfm.errors import InputError
+
+    given = os.environ.get(distributed.RUN_DIR_ENV)
+    if given:
+        path = Path(given)
+    elif args.name:
+        path = (Path(args.runs_dir) / args.family / args.name).resolve()
+    else:
+        raise InputError(
+            f"domainfm {kind} {args.family}: process rank {distributed.launch_rank()} of a multi-process launch "
+            "(torchrun/srun) cannot know the run folder rank 0 opens\n"
+            "  -> give every rank the same --name")
+    _seed(cfg)
+    with follower_writes():
+        module.run(cfg, path)
     return 0
 
 

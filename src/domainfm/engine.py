@@ -500,7 +500,19 @@ class Trainer:
                 "log_records": len(self.history),
             },
             "rng": _rng_state(),
+            # each rank draws its own augmentations and masks: a resume restores each rank's own
+            # stream, so that a 2-rank run resumed mid-epoch equals the uninterrupted one
+            "rng_ranks": self._rng_states_of_all_ranks(),
         }
+
+    def _rng_states_of_all_ranks(self) -> list[dict[str, Any]]:
+        if self.fabric.world_size == 1:
+            return [_rng_state()]
+        import torch.distributed as dist
+
+        states: list[Any] = [None] * self.fabric.world_size
+        dist.all_gather_object(states, _rng_state())
+        return states
 
     def save_checkpoint(self, model, optimizer, scheduler, name: str = "last.ckpt") -> Path | None:
         if self.checkpoint_dir is None:
@@ -541,7 +553,9 @@ class Trainer:
         log_records = trainer_state.pop("log_records", None)
         for key, value in trainer_state.items():
             setattr(self, key, value)
-        _set_rng_state(rest["rng"])
+        ranks = rest.get("rng_ranks") or []
+        # a checkpoint from another world size (or from before rng_ranks): rank 0's stream
+        _set_rng_state(ranks[self.fabric.global_rank] if len(ranks) == self.fabric.world_size else rest["rng"])
         self._restore_history(log_records)
 
     def _restore_history(self, log_records: int | None) -> None:
