@@ -322,7 +322,7 @@ APPLY = apply.Applier(
     input="a CSV/Parquet series (a time column and one column per channel, or long rows), NaN at gaps",
     description="Imputed in float64, one series at a time: --precision and --batch-size do not apply.",
     predict=apply.Command(_predict, apply.TABLE, default_model="fim-imputation-base",
-                          default_pretrained="hf://FIM4Science/fim-imp-pointwise-base",  # not pinned on the card
+                          default_pretrained="hf://FIM4Science/fim-imp-pointwise-base",  # the card's fim4science source
                           what="Impute the gaps (NaN cells) of a series with FIM, zero-shot (CSV: time, then per "
                                "channel <channel>, <channel>_std, <channel>_observed; item_id first for several)."),
 )

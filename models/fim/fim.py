@@ -1,7 +1,7 @@
 """FIM imputation: zero-shot imputation with a foundation inference model for ODE-governed series.
 
 Seifner et al., "Zero-shot imputation with foundation inference models for dynamical systems",
-ICLR 2025 (https://arxiv.org/abs/2410.07267; official code github FIM4Science/OpenFIM,
+ICLR 2025 (https://arxiv.org/abs/2402.07594; official code github FIM4Science/OpenFIM,
 ``src/fim/models/imputation_pointwise.py``).
 
 The *local model* (``FIMImpPointBase`` upstream) sees one channel of a series: observation times
