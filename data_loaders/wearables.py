@@ -21,6 +21,9 @@ of a variable** (never 0).
   weeks in the variables' units, for a model that z-scores its own inputs (predict/embed).
 * :func:`read_weeks_npz` / :func:`read_labels` — weeks already cut elsewhere (``.npz``) and their
   participant-level and weekly labels (CSV).
+* :func:`openmhc_table` — our hourly table -> OpenMHC's 19 hourly channels in OpenMHC's units (the
+  input of the ``wbm-openmhc`` weights); :func:`read_participant` applies it when a model asks
+  for those channels.
 
 Apple Health rules (all tested in ``tests/data_loaders/test_wearables.py``):
 
@@ -90,6 +93,9 @@ __all__ = [
     "participant_weeks",
     "read_weeks_npz",
     "read_labels",
+    "OPENMHC_CHANNELS",
+    "OPENMHC_SOURCES",
+    "openmhc_table",
 ]
 
 
@@ -1301,8 +1307,11 @@ def read_participant(source, variables: Sequence[str], *, tz: str | None = None)
     ``export.zip``, its ``export.xml`` or the folder holding it (:func:`read_healthkit`), a Fitbit export folder
     (:func:`read_fitbit`; ``tz`` its zone), a long CSV/Parquet file or DataFrame ``timestamp,
     variable, value`` (:func:`read_long`), or an hourly table (a DataFrame indexed by hours).
-    ``variables``: the columns wanted; the source must hold at least one of them."""
-    known = [v for v in variables if v in VARIABLES]
+    ``variables``: the columns wanted; the source must hold at least one of them. When they are
+    OpenMHC's channels (:data:`OPENMHC_CHANNELS`) and the source holds none of them, they are
+    derived from our variables by :func:`openmhc_table`."""
+    openmhc = bool(variables) and all(v in OPENMHC_CHANNELS for v in variables)
+    known = [v for v in (OPENMHC_SOURCES if openmhc else variables) if v in VARIABLES]
     where = "DataFrame" if isinstance(source, pd.DataFrame) else str(Path(source))
     path = None if isinstance(source, pd.DataFrame) else Path(source)
     if path is None:
@@ -1319,10 +1328,72 @@ def read_participant(source, variables: Sequence[str], *, tz: str | None = None)
         table = read_long(path)
     else:
         raise HealthDataError(f"{path}: expected {_SOURCES}, got {path.suffix or 'no suffix'!r}")
+    if openmhc and not any(v in table.columns for v in OPENMHC_CHANNELS):
+        table = openmhc_table(table)
     if not any(v in table.columns and table[v].notna().any() for v in variables):
         raise HealthDataError(f"{where}: none of the model's variables {list(variables)} is in the file (it has "
                               f"{list(table.columns)})")
     return table
+
+
+#: OpenMHC's 19 hourly channels in the order of its tensors (``openmhc._constants.SENSOR_CHANNELS``
+#: in github.com/AshleyLab/myheartcounts-dataset): iPhone (0-2), Apple Watch (3-6), sleep (7-8)
+#: and ten workout types (9-18), the last twelve binary.
+OPENMHC_CHANNELS = (
+    "iphone_steps", "iphone_distance", "iphone_flights", "watch_steps", "watch_distance", "watch_hr",
+    "watch_energy", "sleep_asleep", "sleep_inbed", "workout_walking", "workout_cycling", "workout_running",
+    "workout_other", "workout_mixed_cardio", "workout_strength", "workout_elliptical", "workout_hiit",
+    "workout_functional", "workout_yoga",
+)
+#: our variables :func:`openmhc_table` derives them from
+OPENMHC_SOURCES = ("steps", "distance_km", "flights", "heart_rate", "active_kcal", "sleep_min", "in_bed_min")
+
+
+def openmhc_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Our hourly table (any reader's) -> OpenMHC's 19 hourly channels (:data:`OPENMHC_CHANNELS`,
+    in order) in OpenMHC's hourly units, NaN where missing.
+
+    OpenMHC aggregates its minute data to hours by summing cumulative channels, averaging heart
+    rate and taking the maximum of the binary channels (so an hour is "asleep" if any minute is),
+    its minute units being steps, metres, flights, beats per *second* and energy per minute. From
+    our variables:
+
+    * ``iphone_steps``, ``iphone_flights`` = ``steps``, ``flights``; ``iphone_distance`` =
+      ``distance_km`` x 1000 (metres). Our readers keep one source per hour (the larger total), so
+      the iPhone channels get that source's count.
+    * ``watch_steps``, ``watch_distance``: the same counts, in the hours with a heart-rate sample
+      (a worn Watch), missing in the others; ``watch_hr`` = ``heart_rate`` / 60 (beats per
+      second); ``watch_energy`` = ``active_kcal``.
+    * ``sleep_asleep`` / ``sleep_inbed``: 1 in an hour with any minute asleep / in bed, 0 in the
+      other hours of a calendar day with such a record (OpenMHC: 0 awake, 1 asleep, NaN on a
+      day without sleep tracking), missing on days without one.
+    * the ten workout channels: missing (our readers do not read workouts; OpenMHC leaves a
+      non-tracker's workout channels NaN).
+
+    Not confirmed (OpenMHC's preprocessing code is not public): whether its ``watch_energy``
+    "cal/min" is kilocalories (taken here) or calories, and its heart-rate unit (its schema says
+    bpm, its feature code and thresholds treat the stored values as beats per second, taken here).
+    """
+    if not isinstance(table.index, pd.DatetimeIndex):
+        raise HealthDataError(f"openmhc_table: the table's index must be a DatetimeIndex of hours, got "
+                              f"{type(table.index).__name__}")
+    if not len(table):
+        return pd.DataFrame({c: pd.Series(dtype=float) for c in OPENMHC_CHANNELS}, index=table.index)
+    first, last = table.index.min().normalize(), table.index.max().normalize() + pd.Timedelta(hours=23)
+    hours = pd.date_range(first, last, freq="h", name=table.index.name)  # whole days: sleep fills them
+    src = table.reindex(columns=list(OPENMHC_SOURCES)).groupby(table.index.floor("h")).mean().reindex(hours)
+    out = pd.DataFrame(np.nan, index=hours, columns=list(OPENMHC_CHANNELS))
+    distance_m = src["distance_km"] * 1000.0
+    worn = src["heart_rate"].notna()
+    out["iphone_steps"], out["iphone_distance"], out["iphone_flights"] = src["steps"], distance_m, src["flights"]
+    out["watch_steps"], out["watch_distance"] = src["steps"].where(worn), distance_m.where(worn)
+    out["watch_hr"] = src["heart_rate"] / 60.0
+    out["watch_energy"] = src["active_kcal"]
+    days = hours.normalize()
+    for channel, minutes in (("sleep_asleep", src["sleep_min"]), ("sleep_inbed", src["in_bed_min"])):
+        tracked = minutes.notna().groupby(days).transform("any").to_numpy()
+        out[channel] = np.where(tracked, (minutes.fillna(0.0) > 0).astype(float), np.nan)
+    return out
 
 
 def participant_weeks(source, variables: Sequence[str], *, min_hours: int = 24, tz: str | None = None) -> Weeks:

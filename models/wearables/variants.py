@@ -1,13 +1,16 @@
 """Registered WBM variants: ``wbm-base`` (paper-like Mamba-2), ``wbm-transformer-base`` (the
-Transformer+RoPE comparison), and the tiny ``wbm-test`` / ``wbm-transformer-test`` for tests."""
+Transformer+RoPE comparison), ``wbm-openmhc`` (the layout of OpenMHC's released weights, loadable
+on the CPU), and the tiny ``wbm-test`` / ``wbm-transformer-test`` for tests."""
 from __future__ import annotations
 
 import torch
 
+from domainfm.models.wearables import openmhc
 from domainfm.models.wearables.wbm import WBM
-from domainfm.zoo import register_model
+from domainfm.zoo import WeightSource, register_model
 
-__all__ = ["PAPER", "DEFAULT_VARIABLES", "wbm_base", "wbm_transformer_base", "wbm_test", "wbm_transformer_test"]
+__all__ = ["PAPER", "DEFAULT_VARIABLES", "OPENMHC_SOURCE", "wbm_base", "wbm_transformer_base", "wbm_openmhc",
+           "wbm_test", "wbm_transformer_test"]
 
 PAPER = "https://arxiv.org/abs/2507.00191"
 
@@ -66,6 +69,46 @@ def _register(name: str, *, backbone: str, sizes: dict, n_chans: int, n_times: i
            desc="WBM base: TST tokens, 4 Mamba-2 layers, d 256, projection 128 (no public weights)")
 def wbm_base(**kwargs) -> WBM:
     """WBM base: TST tokens + 4 Mamba-2 layers, d 256, projection 128."""
+    return WBM(**kwargs)
+
+
+OPENMHC_SOURCE = WeightSource(
+    f"hf://{openmhc.RELEASE_REPO}/model.ckpt", revision=openmhc.RELEASE_REVISION, converter="openmhc",
+    license="CC-BY-4.0", tag="openmhc-v1",  # tags may not hold a "." (model.tag)
+    description="OpenMHC's WBM re-implementation (bidirectional Mamba-2 contrastive SSL encoder; its W&B artifact "
+                "WBM_Final_HPO_best:v1), the encoder of the OpenMHC benchmark's reported WBM model",
+    pretraining_data="OpenMHC / MyHeartCounts: the MHC training split (the release's provenance; presumably "
+                     "the benchmark's user-level split sharable_users_seed42_2026), weekly windows of 168 hourly "
+                     "steps x 19 iPhone/Apple Watch channels from daily_hourly_hf, contrastive self-supervised "
+                     "pretraining (no labels)",
+    overlaps=("OpenMHC",),
+    note="sha256 not confirmed offline (verified against the Hub's digest at tag v1.0, then the lock file); tag "
+         "v1.0 is the model card's; the Hub card says CC-BY-4.0, OpenMHC's README 'Models OpenRAIL'; which "
+         "projection head it holds is not documented (projector='linear' if the converter says so); the "
+         "z-score constants are in normalization_stats.json beside model.ckpt: load_openmhc() reads both. "
+         "OpenMHC's own benchmark: its training participants were seen, its test participants (same cohort) "
+         "were held out per the release's provenance")
+
+
+@register_model(
+    "wbm-openmhc", family="wearables", paper=PAPER, license="Apache-2.0",
+    description="WBM as OpenMHC re-implemented and released it: MLP hour tokens, 4 bidirectional post-norm Mamba-2 "
+                "blocks (d 256, d_state 128), mean over the week, 3-layer projection 128; 19 iPhone/Watch channels",
+    input_spec={**_SPEC, "n_chans": len(openmhc.CHANNELS), "n_times": openmhc.N_TIMES,
+                "variables": list(openmhc.CHANNELS),
+                "units": "OpenMHC's hourly units (steps, metres, flights, beats per second, energy, 0/1 sleep and "
+                         "workout flags; data_loaders.wearables.openmhc_table), z-scored by the model with its "
+                         "zscore_mean / zscore_std buffers (the release's normalization_stats.json: channels 0-6)",
+                "layout": "values and observed mask, each (batch, 168 hours, 19 channels); the model feeds "
+                          "[z-scores (0 where missing) || missing flags (1 = missing)] as OpenMHC does"},
+    defaults={"n_chans": len(openmhc.CHANNELS), "n_times": openmhc.N_TIMES, "sfreq": 1 / 3600, "n_outputs": None,
+              "variables": list(openmhc.CHANNELS), **openmhc.ARCH_DEFAULTS},
+    weights=[OPENMHC_SOURCE],
+    converters={"openmhc": openmhc.convert_openmhc_state_dict},
+    head="head",
+)
+def wbm_openmhc(**kwargs) -> WBM:
+    """OpenMHC's WBM layout: MLP tokens, 4 BiMamba-2 post-norm blocks, d 256, mean pooling (6.93 M parameters)."""
     return WBM(**kwargs)
 
 

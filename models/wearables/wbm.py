@@ -24,6 +24,12 @@ predicts ``n_outputs`` targets for fine-tuning.
 The per-variable z-score statistics the input was normalised with are buffers of the model
 (``zscore_mean``, ``zscore_std``), so they are saved with its weights and
 :func:`domainfm.data_loaders.wearables.to_weeks` can normalise new data the same way.
+
+The layout of OpenMHC's released WBM (``wbm-openmhc``; converter in :mod:`.openmhc`) is selected
+by constructor options, each off by default: ``tokenizer="mlp"`` (a two-layer GELU MLP over the
+hour's z-scores and *missing* flags), ``backbone="bimamba2"`` (post-norm blocks of a forward and
+a time-reversed Mamba-2, a linear merge and a GELU FFN; no final norm), ``pool="all"`` (the mean
+over all hours) and ``projector="linear" | "mlp3"`` (its two projection heads).
 """
 from __future__ import annotations
 
@@ -36,9 +42,13 @@ from torch import nn
 
 from domainfm.models.wearables.mamba2 import Mamba2
 
-__all__ = ["WBM", "TSTTokenizer", "MambaBlock", "TransformerBlock", "RotaryEmbedding", "BACKBONES"]
+__all__ = ["WBM", "TSTTokenizer", "MLPTokenizer", "MambaBlock", "BiMambaBlock", "TransformerBlock",
+           "RotaryEmbedding", "BACKBONES", "TOKENIZERS", "POOLINGS", "PROJECTORS"]
 
-BACKBONES = ("mamba2", "transformer")
+BACKBONES = ("mamba2", "transformer", "bimamba2")
+TOKENIZERS = ("linear", "mlp")
+POOLINGS = ("observed", "all")
+PROJECTORS = ("mlp", "linear", "mlp3")
 
 
 class TSTTokenizer(nn.Module):
@@ -54,6 +64,50 @@ class TSTTokenizer(nn.Module):
     def forward(self, values: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         m = observed.to(values.dtype)
         return self.proj(torch.cat([torch.where(observed, values, torch.zeros_like(values)), m], dim=-1))
+
+
+class MLPTokenizer(nn.Module):
+    """One token per hour from ``[z-scores (0 where missing) || missing flags (1 = missing)]``
+    through ``Linear -> GELU -> Linear`` (OpenMHC's hour-patch embedding: its flags mark what is
+    *missing*, the complement of :class:`TSTTokenizer`'s observed mask).
+
+    **Shapes:** values, observed ``(B, T, V)`` -> ``(B, T, d_model)``.
+    """
+
+    def __init__(self, n_chans: int, d_model: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(2 * n_chans, hidden)
+        self.fc2 = nn.Linear(hidden, d_model)
+
+    def forward(self, values: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+        missing = (~observed).to(values.dtype)
+        x = torch.cat([torch.where(observed, values, torch.zeros_like(values)), missing], dim=-1)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class BiMambaBlock(nn.Module):
+    """Bidirectional post-norm block (OpenMHC's WBM):
+    ``x = LN1(x + proj([fwd(x) || flip(bwd(flip(x)))]))``, then ``x = LN2(x + FFN(x))`` with a
+    ``d -> ffn_mult d -> d`` GELU FFN. ``fwd`` and ``bwd`` are independent Mamba-2 mixers; ``bwd``
+    reads the sequence backwards, so every hour sees the whole week.
+    """
+
+    def __init__(self, d_model: int, ffn_mult: int = 4, dropout: float = 0.0, **mixer):
+        super().__init__()
+        self.fwd = Mamba2(d_model, **mixer)
+        self.bwd = Mamba2(d_model, **mixer)
+        self.proj = nn.Linear(2 * d_model, d_model)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.drop1 = nn.Dropout(dropout)
+        self.ffn = nn.Sequential(nn.Linear(d_model, ffn_mult * d_model), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(ffn_mult * d_model, d_model))
+        self.norm2 = nn.LayerNorm(d_model)
+        self.drop2 = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backward = self.bwd(x.flip(1)).flip(1)
+        x = self.norm1(x + self.drop1(self.proj(torch.cat([self.fwd(x), backward], dim=-1))))
+        return self.norm2(x + self.drop2(self.ffn(x)))
 
 
 class MambaBlock(nn.Module):
@@ -120,13 +174,23 @@ class WBM(nn.Module):
         n_times: hours per example (168, a week); any length runs, this is the nominal one.
         sfreq: samples per second (one per hour: ``1/3600``); anything else is refused.
         n_outputs: outputs of the linear ``head`` (``None``: no head; ``forward`` returns the embedding).
-        backbone: ``"mamba2"`` (the paper's) or ``"transformer"`` (Transformer+RoPE, the comparison).
+        backbone: ``"mamba2"`` (the paper's), ``"transformer"`` (Transformer+RoPE, the comparison)
+            or ``"bimamba2"`` (OpenMHC's bidirectional post-norm blocks, :class:`BiMambaBlock`; no
+            final norm).
         d_model: token and embedding width (256).
         n_layers: residual blocks (4).
         proj_dim: width of the contrastive projection (128; ``None``: no projection head).
         d_state, d_conv, expand, headdim, chunk_size: the Mamba-2 mixer's (see :class:`Mamba2`).
         n_heads, mlp_ratio: the Transformer's.
         dropout: dropout in the blocks (0).
+        tokenizer: ``"linear"`` (:class:`TSTTokenizer`) or ``"mlp"`` (:class:`MLPTokenizer`,
+            OpenMHC's, with ``tokenizer_hidden`` units).
+        ffn_mult: FFN expansion of the ``"bimamba2"`` blocks (4).
+        pool: ``"observed"`` (mean over hours with any observed value) or ``"all"`` (mean over all
+            hours, OpenMHC's).
+        projector: ``"mlp"`` (``d -> d -> proj_dim``, GELU), ``"linear"`` (``d -> proj_dim``) or
+            ``"mlp3"`` (``d -> 4d -> d -> proj_dim`` with LayerNorm, GELU and dropout 0.1 between;
+            OpenMHC's default head).
         variables: names of the ``n_chans`` variables, in input order (recorded with the weights).
         use_fused: Mamba-2 fused-kernel policy (``"auto"``).
         zscore_mean, zscore_std: initial values of the z-score buffers (weights loaded later
@@ -147,7 +211,9 @@ class WBM(nn.Module):
                  proj_dim: int | None = 128, d_state: int = 64, d_conv: int = 4, expand: int = 2, headdim: int = 64,
                  chunk_size: int = 64, n_heads: int = 8, mlp_ratio: float = 4.0, dropout: float = 0.0,
                  variables: Sequence[str] | None = None, use_fused: bool | str = "auto",
-                 zscore_mean: Sequence[float] | None = None, zscore_std: Sequence[float] | None = None):
+                 zscore_mean: Sequence[float] | None = None, zscore_std: Sequence[float] | None = None,
+                 tokenizer: str = "linear", tokenizer_hidden: int = 64, ffn_mult: int = 4, pool: str = "observed",
+                 projector: str = "mlp"):
         super().__init__()
         if variables is not None:
             variables = [str(v) for v in variables]
@@ -166,21 +232,33 @@ class WBM(nn.Module):
             raise ValueError(f"WBM: backbone={backbone!r}: expected one of {BACKBONES}")
         if n_outputs is not None and n_outputs <= 0:
             raise ValueError(f"WBM: n_outputs={n_outputs}: must be positive (or None for no head)")
+        for option, value, allowed in (("tokenizer", tokenizer, TOKENIZERS), ("pool", pool, POOLINGS),
+                                       ("projector", projector, PROJECTORS)):
+            if value not in allowed:
+                raise ValueError(f"WBM: {option}={value!r}: expected one of {allowed}")
+        if tokenizer == "mlp" and tokenizer_hidden <= 0:
+            raise ValueError(f"WBM: tokenizer_hidden={tokenizer_hidden}: must be positive")
         self.n_chans, self.n_times, self.sfreq, self.n_outputs = n_chans, n_times, 1 / 3600, n_outputs
         self.backbone, self.variables = backbone, variables
+        self.tokenizer_kind, self.pool, self.projector_kind = tokenizer, pool, projector
         self.d_model = self.num_features = d_model
-        self.tokenizer = TSTTokenizer(n_chans, d_model)
+        self.tokenizer = (TSTTokenizer(n_chans, d_model) if tokenizer == "linear"
+                          else MLPTokenizer(n_chans, d_model, tokenizer_hidden))
+        mixer = dict(d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim, chunk_size=chunk_size,
+                     use_fused=use_fused)
         if backbone == "mamba2":
-            self.layers = nn.ModuleList(
-                MambaBlock(d_model, dropout, d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim,
-                           chunk_size=chunk_size, use_fused=use_fused) for _ in range(n_layers))
+            self.layers = nn.ModuleList(MambaBlock(d_model, dropout, **mixer) for _ in range(n_layers))
             self.norm = nn.RMSNorm(d_model, eps=1e-5)
+        elif backbone == "bimamba2":
+            # post-norm blocks end in a LayerNorm: OpenMHC has no final norm
+            self.layers = nn.ModuleList(BiMambaBlock(d_model, ffn_mult, dropout, **mixer) for _ in range(n_layers))
+            self.norm = nn.Identity()
         else:
             self.layers = nn.ModuleList(TransformerBlock(d_model, n_heads, mlp_ratio, dropout) for _ in range(n_layers))
             self.norm = nn.LayerNorm(d_model)
         self.projector = None
         if proj_dim is not None:
-            self.projector = nn.Sequential(nn.Linear(d_model, d_model), nn.GELU(), nn.Linear(d_model, proj_dim))
+            self.projector = self._make_projector(projector, d_model, proj_dim)
         self.register_buffer("zscore_mean", torch.zeros(n_chans))
         self.register_buffer("zscore_std", torch.ones(n_chans))
         self._init_weights()
@@ -190,6 +268,17 @@ class WBM(nn.Module):
         self.head = None
         if n_outputs is not None:
             self.reset_classifier(n_outputs)
+
+    @staticmethod
+    def _make_projector(kind: str, d_model: int, proj_dim: int) -> nn.Sequential:
+        if kind == "mlp":
+            return nn.Sequential(nn.Linear(d_model, d_model), nn.GELU(), nn.Linear(d_model, proj_dim))
+        if kind == "linear":
+            return nn.Sequential(nn.Linear(d_model, proj_dim))
+        hidden = 4 * d_model  # "mlp3": OpenMHC's default projector, its dropout included
+        return nn.Sequential(nn.Linear(d_model, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Dropout(0.1),
+                             nn.Linear(hidden, d_model), nn.LayerNorm(d_model), nn.GELU(), nn.Dropout(0.1),
+                             nn.Linear(d_model, proj_dim))
 
     def _init_weights(self) -> None:
         # GPT-2 style: small normal Linear weights, zero biases; out-projections of residual
@@ -246,9 +335,11 @@ class WBM(nn.Module):
 
     def forward_features(self, values: torch.Tensor, observed: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor:
         """The embedding ``(B, d_model)``: mean of the hour tokens over hours with any observed value
-        (over all hours when none is)."""
+        (over all hours when none is), or over all hours with ``pool="all"``."""
         values, observed = self._check(values, observed, raw)
         tokens = self.forward_tokens(values, observed)
+        if self.pool == "all":
+            return tokens.mean(1)
         weight = observed.any(dim=-1).to(tokens.dtype)  # (B, T)
         weight = torch.where(weight.sum(1, keepdim=True) > 0, weight, torch.ones_like(weight))
         return (tokens * weight.unsqueeze(-1)).sum(1) / weight.sum(1, keepdim=True)
