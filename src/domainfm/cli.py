@@ -185,6 +185,24 @@ def _run_follower(module, cfg, kind: str, args) -> int:
     return 0
 
 
+def _cmd_prepare(args) -> int:
+    from domainfm import streaming
+
+    module = family_entry("pretrain", args.family)
+    preparation = getattr(module, "PREPARE", None)
+    if not isinstance(preparation, streaming.Preparation):
+        from domainfm.errors import InputError
+
+        raise InputError(f"domainfm prepare: family {args.family!r} declares no corpus preparation "
+                         f"(domainfm.pretrain.{args.family}.PREPARE); its pretraining reads its data in memory")
+    manifest = streaming.prepare_family(args.family, preparation, args.input, args.output, overrides=args.settings,
+                                        num_workers=args.workers, files_per_part=args.files_per_part)
+    print(f"domainfm prepare {args.family}: {manifest['samples']} samples from {len(manifest['inputs'])} files "
+          f"in {args.output} ({len(manifest['parts'])} parts; manifest {streaming.MANIFEST})")
+    print(f"  -> domainfm pretrain {args.family} data.kind=streaming data.path={args.output}")
+    return 0
+
+
 def _print_outputs(run_dir: Path, report: dict) -> None:
     """The files a person opens next: report.md and every picture of the run and its arms."""
     markdown = run_dir / "report.md"
@@ -424,6 +442,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--precision", default=None,
                        help="shorthand for the override train.precision=P (auto, 32-true, bf16-mixed, ...)")
         p.set_defaults(func=lambda a, k=kind: _run_family(k, a))
+
+    p = add("prepare", help="convert a pretraining corpus once into streamed shards (LitData)",
+            description="Convert FAMILY's pretraining files (--input: files, folders or globs) into LitData "
+                        "shards in --output, in parallel over files; a run started again finishes an interrupted "
+                        "one. key=value arguments set the family's preprocessing; pretrain with data.kind=streaming "
+                        "data.path=OUTPUT (or its copy in s3://...).")
+    p.add_argument("family")
+    p.add_argument("settings", nargs="*", help="key=value preprocessing settings of the family")
+    p.add_argument("--input", nargs="+", required=True, help="input files, folders or globs")
+    p.add_argument("--output", required=True, help="the corpus folder to write")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: one per CPU)")
+    p.add_argument("--files-per-part", type=int, default=16,
+                   help="files converted per part; a part is the unit an interrupted run does again (default 16)")
+    p.set_defaults(func=_cmd_prepare)
 
     p = add("evaluate", help="evaluate a finished run's best checkpoint",
                        description="Evaluate RUN_DIR's best checkpoint with its saved config.")

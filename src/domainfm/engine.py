@@ -285,13 +285,31 @@ class ResumableSampler(Sampler[int]):
     ``r`` takes indices ``r, r + world, …`` of it (padded by wrap-around so every rank gets the
     same count, as torch's DistributedSampler does). ``start`` skips the first samples of this
     rank's share, which is how a resumed run continues from the exact batch it stopped at.
+
+    The global order depends on the seed and epoch only, never on the number of ranks: with
+    batch ``B`` per rank, global step ``s`` takes positions ``[s·B·world, (s+1)·B·world)`` of it,
+    the same samples one process with batch ``B·world`` takes.
+
+    ``blocks`` (``[start, end)`` ranges covering the dataset, e.g. a streamed corpus's chunks):
+    the blocks are shuffled, then the samples within each run of ``window`` consecutive blocks,
+    so that reads stay within a few chunks at a time instead of jumping across the corpus.
     """
 
-    def __init__(self, length: int, *, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
+    def __init__(self, length: int, *, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
+                 blocks: Sequence[tuple[int, int]] | None = None, window: int = 4):
         if length <= 0:
             raise ValueError("cannot sample from an empty dataset")
+        if blocks is not None:
+            covered = sorted((int(a), int(b)) for a, b in blocks)
+            if not covered or covered[0][0] != 0 or covered[-1][1] != length or \
+                    any(b0 != a1 for (_, b0), (a1, _) in zip(covered, covered[1:])):
+                raise ValueError(f"blocks {covered[:3]}...: must tile [0, {length}) without gaps or overlaps")
+        if window < 1:
+            raise ValueError(f"window={window}: expected at least 1 block")
         self.length, self.num_replicas, self.rank = length, num_replicas, rank
         self.shuffle, self.seed = shuffle, seed
+        self.blocks = None if blocks is None else [(int(a), int(b)) for a, b in blocks]
+        self.window = window
         self.epoch, self.start = 0, 0
         self.per_rank = math.ceil(length / num_replicas)
 
@@ -299,7 +317,14 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def _indices(self) -> list[int]:
-        if self.shuffle:
+        if self.shuffle and self.blocks is not None:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            blocks = [self.blocks[i] for i in torch.randperm(len(self.blocks), generator=g).tolist()]
+            order = []
+            for w in range(0, len(blocks), self.window):
+                members = torch.cat([torch.arange(a, b) for a, b in blocks[w:w + self.window]])
+                order += members[torch.randperm(len(members), generator=g)].tolist()
+        elif self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.length, generator=g).tolist()
         else:
@@ -458,6 +483,7 @@ class Trainer:
             rank=self.fabric.global_rank,
             shuffle=cfg.shuffle and train,
             seed=cfg.seed,
+            blocks=getattr(dataset, "blocks", None),  # a prepared corpus's chunks
         )
         batch_size = cfg.batch_size if train else (cfg.eval_batch_size or cfg.batch_size)
         loader = DataLoader(
