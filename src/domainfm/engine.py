@@ -45,6 +45,7 @@ __all__ = [
     "FitResult",
     "ResumeError",
     "ResumableSampler",
+    "SampleSeeds",
     "build_param_groups",
     "warmup_cosine",
     "atomic_torch_save",
@@ -273,6 +274,39 @@ def warmup_cosine(step: int, total: int, warmup: int, floor: float, schedule: st
     if schedule == "linear":
         return floor + (1 - floor) * (1 - progress)
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# --------------------------------------------------------------------------- per-sample randomness
+
+
+class SampleSeeds:
+    """Seeds for per-sample randomness (masks, augmented views, sampled partners) that depend on
+    the run's seed, the epoch and the sample's index only: a sample gets the same draw whether it
+    lands on rank 0 or 1, in a batch of 8 or of 16, in a run resumed mid-epoch or not. That is what
+    makes a 2-rank run equal one process at the same global batch. A dataset holds one and draws
+    in ``__getitem__``; the engine calls the dataset's ``set_epoch`` at each epoch start.
+
+    >>> seeds = SampleSeeds(seed=0)
+    >>> g = seeds.generator(index=5)   # torch.Generator for sample 5 of the current epoch
+    """
+
+    def __init__(self, seed: int = 0):
+        self.seed, self.epoch = int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def value(self, index: int) -> int:
+        import hashlib
+
+        digest = hashlib.blake2b(f"{self.seed}:{self.epoch}:{int(index)}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+    def generator(self, index: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.value(index))
+
+    def numpy(self, index: int) -> np.random.Generator:
+        return np.random.default_rng(self.value(index))
 
 
 # --------------------------------------------------------------------------- sampler
@@ -749,6 +783,10 @@ class Trainer:
             while self.epoch < max_epochs and self.global_step < total_steps:
                 micro_per_step = cfg.grad_accum
                 sampler.set_epoch(self.epoch, start=self.batch_in_epoch * micro_per_step * cfg.batch_size)
+                if callable(getattr(recipe.train_dataset, "set_epoch", None)):
+                    # per-sample randomness drawn from (seed, epoch, index) in the dataset: the same
+                    # masks and views for a sample whatever rank or batch it lands in (see SampleSeeds)
+                    recipe.train_dataset.set_epoch(self.epoch)
                 micro = 0
                 # only whole optimizer steps per epoch: leftover micro-batches would leak their
                 # gradients into the next epoch's first step
@@ -799,8 +837,12 @@ class Trainer:
                             raise FloatingPointError(f"the loss was not finite between step {first_unchecked} "
                                                      f"and step {self.global_step}")
                         first_unchecked = self.global_step
+                        mean_loss = running_loss / max(1, running_n)
+                        if self.fabric.world_size > 1:
+                            # the global batch's loss (ranks hold equal shares), not rank 0's half
+                            mean_loss = self.fabric.all_reduce(mean_loss, reduce_op="mean")
                         record = {"split": "train", "step": self.global_step, "epoch": self.epoch,
-                                  "loss": float(running_loss / max(1, running_n)), "lr": optimizer.param_groups[0]["lr"]}
+                                  "loss": float(mean_loss), "lr": optimizer.param_groups[0]["lr"]}
                         record.update({k: _to_float(v) for k, v in logs.items() if k != "loss"})
                         self.log(record)
                         if bar is not None:
