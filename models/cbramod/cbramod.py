@@ -39,8 +39,8 @@ from . import _fast
 
 __all__ = ["CBraMod", "PatchEmbedding", "CrissCrossLayer", "SelfAttention", "ClassifierHead", "HEAD_TYPES"]
 
-#: classifier heads of the official fine-tuning code (``--classifier``)
-HEAD_TYPES = ("all_patch_reps", "avgpooling_patch_reps")
+#: classifier heads: the official fine-tuning code's (``--classifier``), then braindecode's
+HEAD_TYPES = ("all_patch_reps", "avgpooling_patch_reps", "flatten_emb")
 
 
 class PatchEmbedding(nn.Module):
@@ -208,23 +208,64 @@ class CrissCrossEncoder(nn.Module):
 
 
 class ClassifierHead(nn.Module):
-    """The official fine-tuning heads on the ``(B, C, N, d)`` patch representations.
+    """The classifier heads on the ``(B, C, N, d)`` patch representations.
+
+    The official fine-tuning code's:
 
     - ``all_patch_reps``: flatten ``C*N*d`` -> ``N*d`` -> ``d`` (each ELU + dropout) -> ``n_outputs``.
     - ``avgpooling_patch_reps``: mean over channels and patches -> ``n_outputs``.
 
-    ``pre_logits`` holds everything before the last linear layer ``fc``.
+    braindecode's (``braindecode.models.CBraMod``, 1.8):
 
-    **Shapes:** ``(B, C, N, d) -> (B, n_outputs)``.
+    - ``flatten_emb``: its ``proj_out`` (``Linear(d, emb_dim)`` on every patch) then its
+      ``final_layer`` (``Flatten``, ``Linear(C*N*emb_dim, n_outputs)``), no activation or dropout:
+
+      .. math::
+          \\mathrm{logits} = W_f\\,\\mathrm{vec}\\big(h W_p^\\top + b_p\\big) + b_f,
+          \\qquad h \\in \\mathbb{R}^{C \\times N \\times d}
+
+      ``pre_logits.0`` is braindecode's ``proj_out.0`` and ``fc`` its ``final_layer.1``. The
+      backbone's own ``proj_out`` (the pretraining reconstruction head) is a separate module.
+
+    ``pre_logits`` holds everything before the last linear layer ``fc``; ``num_features`` is
+    the width of its output (``d``, or ``C*N*emb_dim`` for ``flatten_emb``).
+
+    Args:
+        head_type: one of :data:`HEAD_TYPES`.
+        n_outputs: classes / regression targets.
+        d_model: width of the patch representations ``d``.
+        n_chans, n_patches: ``C`` and ``N``, fixed by the flattening heads (``all_patch_reps``,
+            ``flatten_emb``); may be ``None`` for ``avgpooling_patch_reps``.
+        dropout: dropout inside the ``all_patch_reps`` MLP (0.1).
+        emb_dim: per-patch projection width of ``flatten_emb`` (``None``: ``d_model``).
+
+    **Shapes:** ``(B, C, N, d) -> (B, n_outputs)``; ``pre_logits=True``: ``-> (B, d)``, or
+    ``(B, C*N*emb_dim)`` for ``flatten_emb`` (flattened channel-major, then patch, then feature).
     """
 
     def __init__(self, head_type: str, n_outputs: int, d_model: int, n_chans: int | None, n_patches: int | None,
-                 dropout: float = 0.1):
+                 dropout: float = 0.1, emb_dim: int | None = None):
         super().__init__()
         if head_type not in HEAD_TYPES:
             raise ValueError(f"head_type={head_type!r}: expected one of {HEAD_TYPES}")
+        if emb_dim is not None and head_type != "flatten_emb":
+            raise ValueError(f"emb_dim={emb_dim} sizes only the 'flatten_emb' head, not head_type={head_type!r}")
+        if emb_dim is not None and emb_dim <= 0:
+            raise ValueError(f"emb_dim={emb_dim}: must be positive")
         self.head_type, self.n_chans, self.n_patches = head_type, n_chans, n_patches
-        if head_type == "all_patch_reps":
+        self.num_features = d_model
+        if head_type == "flatten_emb":
+            if not n_chans or not n_patches:
+                raise ValueError(
+                    "head_type='flatten_emb' (braindecode's final_layer) weights every channel x patch x emb_dim "
+                    f"feature separately, so it needs n_chans and n_times (got n_chans={n_chans}, "
+                    f"n_patches={n_patches}); pass them (from braindecode's config.json for its weights) or use "
+                    "'avgpooling_patch_reps'"
+                )
+            self.emb_dim = emb_dim or d_model
+            self.num_features = n_chans * n_patches * self.emb_dim
+            self.pre_logits = nn.Sequential(nn.Linear(d_model, self.emb_dim), nn.Flatten(1))
+        elif head_type == "all_patch_reps":
             if not n_chans or not n_patches:
                 raise ValueError(
                     "head_type='all_patch_reps' flattens every patch representation, so it needs n_chans and "
@@ -237,14 +278,14 @@ class ClassifierHead(nn.Module):
             )
         else:
             self.pre_logits = nn.Identity()
-        self.fc = nn.Linear(d_model, n_outputs)
+        self.fc = nn.Linear(self.num_features, n_outputs)
 
     def forward(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if self.head_type == "all_patch_reps":
+        if self.head_type in ("all_patch_reps", "flatten_emb"):
             _, c, n, _ = features.shape
             if (c, n) != (self.n_chans, self.n_patches):
                 raise ValueError(
-                    f"the all_patch_reps head was built for {self.n_chans} channels x {self.n_patches} patches, "
+                    f"the {self.head_type} head was built for {self.n_chans} channels x {self.n_patches} patches, "
                     f"got features of {c} x {n}; rebuild with matching n_chans/n_times"
                 )
             pooled = self.pre_logits(features)
@@ -257,8 +298,9 @@ class CBraMod(nn.Module):
     """CBraMod backbone with the zoo's model surface.
 
     Args:
-        n_chans: EEG channels ``C`` (any number; needed only by the ``all_patch_reps`` head).
-        n_times: samples per example, a multiple of ``patch_size`` (needed only by that head).
+        n_chans: EEG channels ``C`` (any number; needed only by the ``all_patch_reps`` and
+            ``flatten_emb`` heads).
+        n_times: samples per example, a multiple of ``patch_size`` (needed only by those heads).
         sfreq: sampling rate; must be 200 Hz, the rate the model was pretrained at (resample in
             the data loader).
         n_outputs: classes / regression targets of the classifier ``head``; ``None`` (default):
@@ -268,10 +310,17 @@ class CBraMod(nn.Module):
         n_heads: attention heads in total, half per branch (8).
         dim_feedforward: FFN width (800).
         dropout: dropout of the backbone (0.1).
-        head_type: ``"all_patch_reps"`` (default, the paper's) or ``"avgpooling_patch_reps"``.
+        head_type: ``"all_patch_reps"`` (default, the paper's), ``"avgpooling_patch_reps"`` or
+            ``"flatten_emb"`` (braindecode's ``proj_out`` + ``final_layer``, so that its fine-tuned
+            classifiers load; see :class:`ClassifierHead`).
         head_dropout: dropout inside the ``all_patch_reps`` head (0.1).
+        emb_dim: per-patch projection width of the ``flatten_emb`` head (braindecode's
+            ``emb_dim``; ``None``, default: ``patch_size``).
         reconstruction_head: keep ``proj_out`` (Linear d->P per patch) used by
             :meth:`forward_reconstruction`; fine-tuning drops it, as the official code does.
+
+    ``num_features`` is the width of ``forward_head(..., pre_logits=True)``: ``d`` (also without
+    a head), or ``C * N * emb_dim`` with the ``flatten_emb`` head.
 
     Input units: the official model takes EEG in units of 100 µV (µV / 100); scaling is the data
     loader's job (:mod:`domainfm.data_loaders.eeg`), not the model's.
@@ -284,7 +333,7 @@ class CBraMod(nn.Module):
     def __init__(self, n_chans: int | None = None, n_times: int | None = None, sfreq: float = 200.0,
                  n_outputs: int | None = None, *, patch_size: int = 200, n_layers: int = 12, n_heads: int = 8,
                  dim_feedforward: int = 800, dropout: float = 0.1, head_type: str = "all_patch_reps",
-                 head_dropout: float = 0.1, reconstruction_head: bool = True):
+                 head_dropout: float = 0.1, reconstruction_head: bool = True, emb_dim: int | None = None):
         super().__init__()
         if sfreq is not None and abs(float(sfreq) - 200.0) > 1e-6:
             raise ValueError(f"sfreq={sfreq}: CBraMod works on 200 Hz EEG; resample in the data loader")
@@ -294,10 +343,13 @@ class CBraMod(nn.Module):
             raise ValueError(f"n_chans={n_chans}: must be positive")
         if n_outputs is not None and n_outputs <= 0:
             raise ValueError(f"n_outputs={n_outputs}: must be positive (or None for no head)")
+        if emb_dim is not None and (head_type != "flatten_emb" or emb_dim <= 0):
+            raise ValueError(f"emb_dim={emb_dim}: a positive width, and only for head_type='flatten_emb' "
+                             f"(got head_type={head_type!r})")
         self.n_chans, self.n_times, self.sfreq, self.n_outputs = n_chans, n_times, float(sfreq), n_outputs
         self.patch_size = patch_size
-        self.d_model = self.num_features = patch_size
-        self.head_type, self.head_dropout = head_type, head_dropout
+        self.d_model = patch_size
+        self.head_type, self.head_dropout, self.emb_dim = head_type, head_dropout, emb_dim
         self.patch_embedding = PatchEmbedding(patch_size, dropout)
         self.encoder = CrissCrossEncoder(n_layers, d_model=patch_size, n_heads=n_heads,
                                          dim_feedforward=dim_feedforward, dropout=dropout)
@@ -350,6 +402,11 @@ class CBraMod(nn.Module):
 
     # -- head -------------------------------------------------------------------------------
 
+    @property
+    def num_features(self) -> int:
+        """Width of ``forward_head(..., pre_logits=True)`` (``d`` without a head)."""
+        return self.head.num_features if self.head is not None else self.d_model
+
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.head is None:
             raise RuntimeError("this CBraMod has no classifier head (n_outputs=None); call reset_classifier(n)")
@@ -360,8 +417,15 @@ class CBraMod(nn.Module):
         if head_type is not None:
             self.head_type = head_type
         n_patches = self.n_times // self.patch_size if self.n_times else None
-        self.head = ClassifierHead(self.head_type, n_outputs, self.d_model, self.n_chans, n_patches, self.head_dropout)
-        self.head.apply(_init_linear)
+        emb_dim = self.emb_dim if self.head_type == "flatten_emb" else None
+        self.head = ClassifierHead(self.head_type, n_outputs, self.d_model, self.n_chans, n_patches, self.head_dropout,
+                                   emb_dim)
+        if self.head_type == "flatten_emb":
+            # as braindecode: its proj_out takes the Kaiming init, final_layer keeps PyTorch's default
+            # (Kaiming fan_out over n_outputs would give a C*N*emb_dim-wide Linear logits ~100x too large)
+            _init_linear(self.head.pre_logits[0])
+        else:
+            self.head.apply(_init_linear)
         self.n_outputs = n_outputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
