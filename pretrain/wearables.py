@@ -38,12 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from domainfm import streaming
 from domainfm.data_loaders import wearables as W
-from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.engine import Recipe, SampleSeeds, TrainConfig, Trainer
 from domainfm.experiment import ModelSection, init_label, resolve
 
-__all__ = ["Config", "ModelSection", "DataSection", "AugmentSection", "WeekDataset", "ContrastiveRecipe", "augment",
-           "info_nce", "load_weeks", "run", "evaluate"]
+__all__ = ["Config", "ModelSection", "DataSection", "AugmentSection", "WeekDataset", "CorpusWeeks", "ContrastiveRecipe",
+           "augment", "info_nce", "load_weeks", "run", "evaluate", "PREPARE", "PrepareSettings", "prepare_participant"]
 
 
 @dataclass
@@ -59,10 +60,16 @@ class DataSection:
     synthetic_participants: int = 200
     synthetic_weeks: int = 4
     synthetic_seed: int = 0
+    #: data.kind=streaming: a corpus written by `domainfm prepare wearables` (a folder or s3://...)
+    path: str | None = None
+    #: data.kind=streaming: the z-score statistics are fitted on up to this many training participants
+    stats_participants: int = 2000
 
     def __post_init__(self):
-        if self.kind not in {"synthetic", "healthkit", "fitbit", "long", "npz"}:
-            raise ValueError(f"data.kind={self.kind!r}: expected synthetic, healthkit, fitbit, long or npz")
+        if self.kind not in {"synthetic", "healthkit", "fitbit", "long", "npz", "streaming"}:
+            raise ValueError(f"data.kind={self.kind!r}: expected synthetic, healthkit, fitbit, long, npz or streaming")
+        if self.kind == "streaming" and not self.path:
+            raise ValueError("data.kind=streaming: set data.path to a corpus written by `domainfm prepare wearables`")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={self.val_fraction}: expected a fraction in [0, 1)")
 
@@ -106,43 +113,93 @@ class Config:
 
 
 class WeekDataset(Dataset):
-    """Participant-weeks: item ``i`` is ``(values (168, V), observed (168, V), participant, partner)``;
-    ``partner`` is a second week (values, observed) of the same participant when ``positives`` is
-    ``participant`` and the participant has one, else the same week.
+    """Participant-weeks: item ``i`` is ``(view 1, observed 1, participant, view 2, observed 2)``,
+    each ``(168, V)``: two views of week ``i`` or, with ``positives="participant"``, of week ``i``
+    and another week of the same participant (drawn among the others), each augmented with
+    ``augment`` (``None``: the weeks as they are).
 
-    ``seed=None`` (training): each partner is drawn from torch's global RNG, which the engine's
-    checkpoints save and restore on every rank, so a resumed run draws what the uninterrupted run
-    would have (a generator of the dataset's own would be state no checkpoint holds). ``seed``
-    given (evaluation): one fixed partner per week, a function of ``(seed, i)`` only."""
+    All randomness of an item (the partner and both views) comes from :class:`SampleSeeds`
+    keyed by ``(seed, epoch, i)``: a week gets the same views on any rank, in any batch, in a run
+    resumed mid-epoch or not (so 2 ranks at batch B equal one process at batch 2B). The engine
+    calls :meth:`set_epoch`; a dataset never given an epoch (validation) has fixed views."""
 
     def __init__(self, values: np.ndarray, observed: np.ndarray, participant: np.ndarray, *, positives: str = "views",
-                 seed: int | None = None):
+                 seed: int = 0, augment: AugmentSection | None = None):
         self.values = torch.as_tensor(np.asarray(values, dtype=np.float32))
         self.observed = torch.as_tensor(np.asarray(observed, dtype=bool))
         self.participant = torch.as_tensor(np.asarray(participant, dtype=np.int64))
         if not (len(self.values) == len(self.observed) == len(self.participant)):
             raise ValueError("WeekDataset: values, observed and participant must have the same length")
-        self.positives = positives
-        self.seed = seed
+        self.positives, self.settings = positives, augment
+        self.seeds = SampleSeeds(seed)
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(self.participant.tolist()):
             groups.setdefault(p, []).append(i)
         self.groups = groups
 
+    def set_epoch(self, epoch: int) -> None:
+        self.seeds.set_epoch(epoch)
+
     def __len__(self):
         return len(self.values)
 
     def __getitem__(self, i):
+        g = self.seeds.generator(i)
         j = i
         if self.positives == "participant":
             others = [k for k in self.groups[int(self.participant[i])] if k != i]
             if others:
-                if self.seed is None:
-                    pick = int(torch.randint(len(others), ()).item())
-                else:
-                    pick = int(np.random.default_rng((self.seed, i)).integers(len(others)))
-                j = others[pick]
-        return self.values[i], self.observed[i], self.participant[i], self.values[j], self.observed[j]
+                j = others[int(torch.randint(len(others), (), generator=g))]
+        return _views(self.values[i], self.observed[i], self.values[j], self.observed[j], self.participant[i],
+                      self.settings, g)
+
+
+def _views(x1, m1, x2, m2, participant, settings: AugmentSection | None, generator: torch.Generator):
+    if settings is not None:
+        (x1,), (m1,) = augment(x1[None], m1[None], settings, generator=generator)
+        (x2,), (m2,) = augment(x2[None], m2[None], settings, generator=generator)
+    return x1, m1, participant, x2, m2
+
+
+class CorpusWeeks(Dataset):
+    """The participants of a prepared corpus (``domainfm prepare wearables``: one sample per
+    participant, its weeks unscaled) as training items: an item is one participant, one of their
+    weeks drawn per epoch and its partner (another of their weeks with
+    ``positives="participant"``), z-scored with ``stats`` and augmented; all draws from
+    :class:`SampleSeeds` keyed by the corpus index. An epoch visits every participant once (the
+    in-memory path visits every week)."""
+
+    def __init__(self, corpus, indices: np.ndarray, stats: "W.ZScoreStats", *, positives: str, seed: int,
+                 augment: AugmentSection | None):
+        self.corpus, self.indices = corpus, np.asarray(indices, dtype=np.int64)
+        self.mean = torch.as_tensor(np.asarray(stats.mean, dtype=np.float32))
+        self.std = torch.as_tensor(np.asarray(stats.std, dtype=np.float32))
+        self.positives, self.settings, self.seeds = positives, augment, SampleSeeds(seed)
+        # the corpus's chunks, as ranges of this subset's positions (indices are sorted)
+        self.blocks = [(int(a), int(b)) for a, b in (
+            (np.searchsorted(self.indices, lo), np.searchsorted(self.indices, hi)) for lo, hi in corpus.blocks) if b > a]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.seeds.set_epoch(epoch)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, k):
+        index = int(self.indices[k])
+        item = self.corpus[index]
+        values = torch.as_tensor(np.asarray(item["values"], dtype=np.float32))
+        observed = torch.as_tensor(np.asarray(item["observed"]).astype(bool))
+        values = torch.where(observed, (values - self.mean) / self.std, torch.zeros_like(values))
+        g = self.seeds.generator(index)
+        n = len(values)
+        w = int(torch.randint(n, (), generator=g))
+        j = w
+        if self.positives == "participant" and n > 1:
+            j = int(torch.randint(n - 1, (), generator=g))
+            j += int(j >= w)
+        return _views(values[w], observed[w], values[j], observed[j], torch.tensor(int(item["participant"])),
+                      self.settings, g)
 
 
 def _read_table(kind: str, path: str, variables):
@@ -263,6 +320,31 @@ def info_nce(z1: torch.Tensor, z2: torch.Tensor, temperature: float, group: torc
     return loss, accuracy
 
 
+def _gather_global_batch(x: torch.Tensor) -> torch.Tensor:
+    """The rows of every rank, in rank order, differentiably (one process: ``x`` itself).
+
+    Every rank then computes InfoNCE over the global batch, with the same negatives one process
+    at that batch has. The gather's backward sums the identical gradients of the W ranks into
+    each rank's own rows (a factor W) and DDP averages over ranks (a factor 1/W): the parameter
+    gradient is exactly the one-process gradient."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    if not x.requires_grad:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+    import warnings
+
+    from torch.distributed.nn.functional import all_gather
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated name of the same differentiable gather
+        warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")
+        return torch.cat(all_gather(x.contiguous()))
+
+
 class ContrastiveRecipe(Recipe):
     """InfoNCE between the projections of two augmented views (module docstring)."""
 
@@ -270,23 +352,21 @@ class ContrastiveRecipe(Recipe):
         self.model, self.train_dataset, self.val_dataset = model, train_dataset, val_dataset
         self.settings, self.temperature = settings, temperature
 
-    def _loss(self, model, batch, generator=None):
+    def _loss(self, model, batch):
         if hasattr(model, "mark_forward_method") and "forward_projection" not in model._forward_methods:
             model.mark_forward_method("forward_projection")  # through DDP's forward when Fabric wraps the model
-        x1, m1, pid, x2, m2 = batch
-        v1, o1 = augment(x1, m1, self.settings, generator=generator)
-        v2, o2 = augment(x2, m2, self.settings, generator=generator)
+        v1, o1, pid, v2, o2 = batch  # views made by the dataset (WeekDataset / CorpusWeeks)
         z = model.forward_projection(torch.cat([v1, v2]), torch.cat([o1, o2]))
-        return info_nce(z[: len(x1)], z[len(x1):], self.temperature, pid)
+        z1, z2 = _gather_global_batch(z[: len(v1)]), _gather_global_batch(z[len(v1):])
+        return info_nce(z1, z2, self.temperature, _gather_global_batch(pid))
 
     def step(self, model, batch):
         loss, acc = self._loss(model, batch)
         return loss, {"loss": loss.detach(), "acc": acc.detach()}
 
     def eval_step(self, model, batch):
-        # fixed views per batch content, so validation losses are comparable across epochs
-        seed = int(batch[2].sum().item() * 7919 + len(batch[2])) % (2**31)
-        loss, acc = self._loss(model, batch, generator=torch.Generator().manual_seed(seed))
+        # the validation dataset's views are fixed per week (it is never given an epoch)
+        loss, acc = self._loss(model, batch)
         n = len(batch[0])
         return {"loss": loss.detach().float().reshape(1).expand(n).clone(),
                 "acc": acc.detach().float().reshape(1).expand(n).clone()}
@@ -299,16 +379,85 @@ class ContrastiveRecipe(Recipe):
 
 
 def build_datasets(cfg: Config):
+    if cfg.data.kind == "streaming":
+        return _corpus_datasets(cfg)
     values, observed, participant, variables, stats, info = load_weeks(cfg.data)
     train_idx, val_idx = _split(participant, cfg.data.val_fraction, cfg.train.seed)
-    make = lambda idx, seed: WeekDataset(values[idx], observed[idx], participant[idx],  # noqa: E731
-                                         positives=cfg.positives, seed=seed)
-    train = make(train_idx, None)
-    val = make(val_idx, cfg.train.seed) if len(val_idx) else None
+    make = lambda idx: WeekDataset(values[idx], observed[idx], participant[idx],  # noqa: E731
+                                   positives=cfg.positives, seed=cfg.train.seed, augment=cfg.augment)
+    train = make(train_idx)
+    val = make(val_idx) if len(val_idx) else None
     info.update({"weeks": int(len(values)), "participants": int(len(np.unique(participant))),
                  "train_weeks": int(len(train_idx)), "val_weeks": int(len(val_idx)),
                  "observed_fraction": round(float(observed.mean()), 4)})
     return train, val, variables, stats, info
+
+
+# --------------------------------------------------------------------------- streamed corpora
+
+
+@dataclass
+class PrepareSettings:
+    """``domainfm prepare wearables`` settings: which hourly variables, in model order (default:
+    every variable the readers know), the fewest observed hours that keep a week, and the time
+    zone of Fitbit exports."""
+
+    variables: list[str] | None = None
+    min_hours: int = 24
+    tz: str | None = None
+
+
+def prepare_participant(settings: PrepareSettings, path: str) -> list[dict]:
+    """One participant's file or folder (Apple Health export.zip/export.xml, a Fitbit export, a long
+    CSV/Parquet) -> one sample: their weeks unscaled (``values``/``observed`` ``(n, 168, V)``), a
+    participant id from the file's path, and the week starts; no sample without a kept week."""
+    import hashlib
+
+    variables = list(settings.variables or W.VARIABLES)
+    table = W.read_participant(path, variables, tz=settings.tz)
+    weeks = W.to_weeks(table, variables=variables, stats=W.ZScoreStats.identity(variables),
+                       min_hours=settings.min_hours)
+    if not len(weeks):
+        return []
+    pid = int.from_bytes(hashlib.sha256(str(Path(path).resolve()).encode()).digest()[:7], "little")
+    return [{"values": weeks.values.astype(np.float32), "observed": weeks.observed.astype(np.uint8),
+             "participant": pid, "weeks": len(weeks)}]
+
+
+PREPARE = streaming.Preparation(
+    convert=prepare_participant, settings=PrepareSettings, suffixes=(".zip", ".xml", ".csv", ".parquet"),
+    what="one participant per file (Apple Health export.zip/export.xml, long CSV/Parquet) -> their weeks, unscaled")
+
+
+def _corpus_datasets(cfg: Config):
+    corpus = streaming.PreparedCorpus(cfg.data.path, family="wearables")
+    settings = corpus.settings
+    variables = list(settings.get("variables") or W.VARIABLES)
+    if cfg.data.variables is not None and list(cfg.data.variables) != variables:
+        raise streaming.PrepareError(f"data.path {cfg.data.path}: prepared with variables {variables}, the config "
+                                     f"asks data.variables={list(cfg.data.variables)}")
+    if int(settings.get("min_hours", cfg.data.min_hours)) != cfg.data.min_hours:
+        raise streaming.PrepareError(f"data.path {cfg.data.path}: prepared with min_hours={settings.get('min_hours')}, "
+                                     f"the config asks data.min_hours={cfg.data.min_hours}")
+    # a participant split by corpus index (one sample per participant): the same on every rank,
+    # without reading the corpus
+    seeds = SampleSeeds(cfg.train.seed)
+    in_val = np.array([seeds.value(i) % 1_000_000 < cfg.data.val_fraction * 1_000_000 for i in range(len(corpus))])
+    if cfg.data.val_fraction > 0 and not in_val.any() and len(corpus) > 1:
+        in_val[len(corpus) - 1] = True
+    train_idx, val_idx = np.flatnonzero(~in_val), np.flatnonzero(in_val)
+    # z-score statistics from up to stats_participants training participants, evenly spread
+    take = train_idx[np.linspace(0, len(train_idx) - 1, min(len(train_idx), cfg.data.stats_participants)).astype(int)]
+    items = [corpus[int(i)] for i in np.unique(take)]
+    stats = W.ZScoreStats.fit_weeks(np.concatenate([np.asarray(it["values"]) for it in items]),
+                                    np.concatenate([np.asarray(it["observed"]).astype(bool) for it in items]), variables)
+    make = lambda idx: CorpusWeeks(corpus, idx, stats, positives=cfg.positives, seed=cfg.train.seed,  # noqa: E731
+                                   augment=cfg.augment)
+    weeks = sum(int(it["weeks"]) for it in items)
+    info = {"data_source": corpus.describe(), "participants": len(corpus), "train_participants": len(train_idx),
+            "val_participants": len(val_idx), "stats_from_participants": len(items),
+            "stats_from_weeks": weeks}
+    return make(train_idx), (make(val_idx) if len(val_idx) else None), variables, stats, info
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
@@ -363,7 +512,8 @@ def evaluate(cfg: Config, run_dir: Path) -> dict:
                                                                 if model.variables else None)
     _, val_idx = _split(participant, cfg.data.val_fraction, cfg.train.seed)
     idx = val_idx if len(val_idx) else np.arange(len(values))
-    dataset = WeekDataset(values[idx], observed[idx], participant[idx], positives=cfg.positives, seed=cfg.train.seed)
+    dataset = WeekDataset(values[idx], observed[idx], participant[idx], positives=cfg.positives, seed=cfg.train.seed,
+                          augment=cfg.augment)
     trainer = Trainer(dataclasses.replace(cfg.train, progress=False), run_dir=None)
     return trainer.evaluate(ContrastiveRecipe(model, None, dataset, settings=cfg.augment,
                                               temperature=cfg.temperature), dataset)

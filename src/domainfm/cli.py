@@ -195,7 +195,7 @@ def _cmd_prepare(args) -> int:
 
         raise InputError(f"domainfm prepare: family {args.family!r} declares no corpus preparation "
                          f"(domainfm.pretrain.{args.family}.PREPARE); its pretraining reads its data in memory")
-    manifest = streaming.prepare_family(args.family, preparation, args.input, args.output, overrides=args.settings,
+    manifest = streaming.prepare_family(args.family, preparation, args.input, args.output, overrides=args.overrides,
                                         num_workers=args.workers, files_per_part=args.files_per_part)
     print(f"domainfm prepare {args.family}: {manifest['samples']} samples from {len(manifest['inputs'])} files "
           f"in {args.output} ({len(manifest['parts'])} parts; manifest {streaming.MANIFEST})")
@@ -449,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "one. key=value arguments set the family's preprocessing; pretrain with data.kind=streaming "
                         "data.path=OUTPUT (or its copy in s3://...).")
     p.add_argument("family")
-    p.add_argument("settings", nargs="*", help="key=value preprocessing settings of the family")
+    p.add_argument("overrides", nargs="*", help="key=value preprocessing settings of the family")
     p.add_argument("--input", nargs="+", required=True, help="input files, folders or globs")
     p.add_argument("--output", required=True, help="the corpus folder to write")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: one per CPU)")

@@ -172,7 +172,8 @@ def prepare(inputs: Sequence[str | os.PathLike], fn: Callable[[str], Iterable[Ma
                                + (" ..." if len(failed) > 5 else "") + "); fix or leave them out and run again "
                                "(the parts already done are kept; the folder is not a corpus until it has its "
                                "manifest)")
-        samples = len(StreamingDataset(str(folder))) if (folder / "index.json").is_file() else 0
+        samples = sum(int(b) - int(a) for a, b in StreamingDataset(str(folder)).region_of_interest) \
+            if (folder / "index.json").is_file() else 0
         if not samples:
             shutil.rmtree(folder, ignore_errors=True)
         progress["parts"][name] = {"samples": samples, "files": len(group)}
@@ -219,18 +220,17 @@ class PreparedCorpus(torch.utils.data.Dataset):
             where = f"{self.path}/{part['dir']}"
             dataset = StreamingDataset(where, cache_dir=None if cache_dir is None else f"{cache_dir}/{part['dir']}",
                                        shuffle=False)
-            if len(dataset) != part["samples"]:
-                raise PrepareError(f"{where}: {MANIFEST} says {part['samples']} samples, the shards hold "
-                                   f"{len(dataset)}; the folder was changed after it was prepared")
             self._parts.append(dataset)
             self._offsets.append(offset)
-            # LitData's region_of_interest: each chunk's own (start, end) of the items it serves
+            # LitData's region_of_interest: each chunk's own (start, end) of the items it serves. Not
+            # len(dataset): inside a process group LitData gives each rank's share of it, while
+            # integer indexing stays global (every rank reads any sample; the engine's sampler deals)
             for a, b in dataset.region_of_interest:
                 self._blocks.append((offset, offset + int(b) - int(a)))
                 offset += int(b) - int(a)
-            if offset != self._offsets[-1] + len(dataset):
-                raise PrepareError(f"{where}: its chunks add up to {offset - self._offsets[-1]} samples, not "
-                                   f"{len(dataset)}")
+            if offset - self._offsets[-1] != part["samples"]:
+                raise PrepareError(f"{where}: {MANIFEST} says {part['samples']} samples, the shards hold "
+                                   f"{offset - self._offsets[-1]}; the folder was changed after it was prepared")
         self._length = offset
         self.transform = transform
 

@@ -72,31 +72,30 @@ def test_participant_positives_pair_weeks_of_the_same_person():
             assert torch.equal(x1, x2)  # no other week: the same week, two augmentations
 
 
-def test_partner_draws_follow_the_torch_rng_a_checkpoint_restores_or_a_fixed_seed():
-    # training (seed=None): drawn from torch's global RNG, which a checkpoint saves per rank, so a
-    # resumed run draws the same partners as the uninterrupted one; no state of its own
+def test_partner_and_views_depend_on_seed_epoch_and_index_only():
+    # the same draws whatever the process RNG, rank or batch (so 2 ranks equal one process), new
+    # draws each epoch, and none without an epoch (validation: fixed views)
     values = np.arange(6 * 168, dtype=np.float32).reshape(6, 168, 1)
-    ds = WeekDataset(values, np.ones_like(values, dtype=bool), np.zeros(6, dtype=int), positives="participant")
+    settings = AugmentSection(max_shift=2, mask_hours=0.2, mask_variables=0.0, scale_std=0.1)
+    make = lambda seed=0: WeekDataset(values, np.ones_like(values, dtype=bool), np.zeros(6, dtype=int),  # noqa: E731
+                                      positives="participant", seed=seed, augment=settings)
 
-    def partners(dataset):
-        return [int(dataset[i][3][0, 0].item()) // 168 for i in range(6) for _ in range(4)]
+    def draws(dataset, order=range(6)):
+        return {i: tuple(t.clone() for t in dataset[i]) for i in order}
 
-    torch.manual_seed(5)
-    first = partners(ds)
-    state = torch.get_rng_state()
-    after = partners(ds)
-    torch.manual_seed(5)
-    assert partners(ds) == first  # the same stream, the same partners
-    torch.set_rng_state(state)
-    assert partners(ds) == after  # resumed from a saved state
-    assert first != after  # and the draws do vary
-    # evaluation (seed given): one fixed partner per week, whatever the global RNG
-    fixed = WeekDataset(values, np.ones_like(values, dtype=bool), np.zeros(6, dtype=int), positives="participant",
-                        seed=3)
+    a, b = make(), make()
     torch.manual_seed(0)
-    a = partners(fixed)
+    first = draws(a)
     torch.manual_seed(1)
-    assert partners(fixed) == a and all(len(set(a[4 * i:4 * i + 4])) == 1 for i in range(6))
+    again = draws(b, order=reversed(range(6)))  # another process RNG, another order
+    for i in range(6):
+        for x, y in zip(first[i], again[i]):
+            assert torch.equal(x, y), i
+    a.set_epoch(1)
+    later = draws(a)
+    assert any(not torch.equal(first[i][0], later[i][0]) for i in range(6))
+    other_seed = draws(make(seed=1))
+    assert any(not torch.equal(first[i][0], other_seed[i][0]) for i in range(6))
 
 
 def test_synthetic_labels_follow_the_simulated_physiology():
