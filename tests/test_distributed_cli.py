@@ -115,3 +115,24 @@ def test_pretrain_on_two_ranks_from_the_cli_owns_one_folder_and_resumes_exactly(
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
     # and training happened on both: the loss fell over the 6 steps
     assert report["train_loss_last"] < report["train_loss_first"]
+
+
+def test_fsdp_on_a_machine_without_cuda_is_a_config_error_naming_the_alternative(clean_env, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: FSDP is allowed (see the GPU test below)")
+    code = cli.main(["pretrain", "wearables", "--config", "pretrain_demo", "--runs-dir", str(tmp_path),
+                     "train.strategy=fsdp", "train.devices=2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "train.strategy='fsdp' needs CUDA GPUs" in err and "train.strategy=ddp" in err, err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="FSDP through Fabric runs on CUDA devices only; this machine has fewer than 2 GPUs")
+def test_fsdp_on_two_gpus_trains_and_resumes_from_the_folder_rank_0_owns(tmp_path):
+    straight = _pretrain(tmp_path, "fsdp", "train.max_steps=4", "train.strategy=fsdp", "train.accelerator=cuda")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    again = _pretrain(tmp_path, "fsdp", "train.max_steps=6", "train.strategy=fsdp", "train.accelerator=cuda",
+                      "train.resume=true")
+    assert again.returncode == 0, again.stderr[-3000:]
+    report = json.loads((tmp_path / "runs" / "wearables" / "fsdp" / "report.json").read_text())
+    assert report["steps"] == 6

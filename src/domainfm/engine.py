@@ -170,6 +170,11 @@ class TrainConfig:
                              "RUN/metrics.jsonl); add csv or tensorboard beside it")
         if self.early_stopping_patience is not None and self.monitor is None:
             raise ValueError("train.early_stopping_patience needs train.monitor (the metric to watch)")
+        if "fsdp" in str(self.strategy).lower() and (self.accelerator == "cpu" or not torch.cuda.is_available()):
+            # Lightning Fabric's FSDP strategy runs on CUDA devices only
+            raise ValueError(f"train.strategy={self.strategy!r} needs CUDA GPUs (Lightning Fabric's FSDP is GPU-only; "
+                             f"accelerator {self.accelerator!r}, CUDA available: {torch.cuda.is_available()}); "
+                             "on CPU use train.strategy=ddp")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "TrainConfig":
