@@ -1,5 +1,5 @@
 """EEG in, model-ready windows out: MNE readers, channel picking, montages, filtering, windowing,
-amplitude rejection, unit scaling, and memory-mapped shards for large corpora.
+amplitude rejection and unit scaling.
 
 The steps follow braindecode's shape (named steps on MNE objects, then windowing):
 
@@ -23,9 +23,8 @@ it (``info["bads"]``, e.g. a FIF) are dropped, or interpolated where the model n
 (:func:`drop_bad_channels`); an EDF/BDF shorter than its header declares is read as far as it
 goes, with the seconds read and declared.
 
-Large corpora (TUEG): :func:`write_shards` writes fixed-size ``.npy`` shards plus ``index.json``
-once; :class:`ShardDataset` memory-maps them, so every process (rank, loader worker) reads only
-the windows its sampler hands it.
+Large corpora (TUEG) are converted once with these readers into a streamed corpus by
+``domainfm prepare cbramod`` (:data:`domainfm.pretrain.cbramod.PREPARE`, on :mod:`domainfm.streaming`).
 """
 from __future__ import annotations
 
@@ -33,7 +32,6 @@ import dataclasses
 import fnmatch
 import functools
 import importlib.resources
-import json
 import os
 import re
 import warnings
@@ -68,8 +66,6 @@ __all__ = [
     "load_windows",
     "recording_windows",
     "WindowDataset",
-    "write_shards",
-    "ShardDataset",
     "iter_files",
     "resolve_root",
     "samples_dir",
@@ -732,93 +728,6 @@ class WindowDataset(Dataset):
 
     def __getitem__(self, i):
         return self.x[i] if self.y is None else (self.x[i], self.y[i])
-
-
-# ----------------------------------------------------------------------------- shards
-
-
-def write_shards(windows: Iterable[np.ndarray], out_dir: str | os.PathLike, *, shard_size: int = 4096,
-                 dtype: str = "float16", meta: Mapping | None = None) -> Path:
-    """Write batches of windows ``(n, C, T)`` (model units) into ``shard_XXXXX.npy`` files of
-    ``shard_size`` windows each and an ``index.json`` (shapes, counts, dtype, ``meta``). Each
-    file is written to a temporary name and renamed; the index is written last."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    shards, buffer, shape = [], [], None
-
-    def flush():
-        block = np.concatenate(buffer).astype(dtype)
-        name = f"shard_{len(shards):05d}.npy"
-        tmp = out / f".{name}.tmp-{os.getpid()}.npy"
-        np.save(tmp, block)
-        os.replace(tmp, out / name)
-        shards.append({"file": name, "count": int(len(block))})
-        buffer.clear()
-
-    held = 0
-    for batch in windows:
-        batch = np.asarray(batch)
-        if batch.ndim != 3:
-            raise EEGError(f"write_shards: expected windows (n, C, T), got {batch.shape}")
-        if shape is None:
-            shape = batch.shape[1:]
-        elif batch.shape[1:] != shape:
-            raise EEGError(f"write_shards: window shape {batch.shape[1:]} differs from the first {shape}")
-        while len(batch):
-            take = min(shard_size - held, len(batch))
-            buffer.append(batch[:take])
-            held += take
-            batch = batch[take:]
-            if held == shard_size:
-                flush()
-                held = 0
-    if buffer:
-        flush()
-    if shape is None:
-        raise EEGError("write_shards: no windows to write")
-    index = {"format": "domainfm-eeg-shards-v1", "window_shape": list(shape), "dtype": dtype,
-             "total": sum(s["count"] for s in shards), "shards": shards, "meta": dict(meta or {})}
-    from domainfm.engine import atomic_write_text
-
-    atomic_write_text(out / "index.json", json.dumps(index, indent=2) + "\n")
-    return out
-
-
-class ShardDataset(Dataset):
-    """Windows from :func:`write_shards` output, memory-mapped lazily in each process (so a
-    DataLoader worker or DDP rank touches only the pages of the windows it reads)."""
-
-    def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
-        index_file = self.root / "index.json"
-        if not index_file.is_file():
-            raise EEGError(f"{self.root}: no index.json; create shards with `domainfm.data_loaders.eeg.write_shards`")
-        self.index = json.loads(index_file.read_text())
-        if self.index.get("format") != "domainfm-eeg-shards-v1":
-            raise EEGError(f"{index_file}: unknown format {self.index.get('format')!r}")
-        counts = [s["count"] for s in self.index["shards"]]
-        self.offsets = np.concatenate([[0], np.cumsum(counts)])
-        self.window_shape = tuple(self.index["window_shape"])
-        self._maps: dict[int, np.ndarray] = {}
-        for s in self.index["shards"]:
-            if not (self.root / s["file"]).is_file():
-                raise EEGError(f"{self.root}: shard {s['file']} listed in index.json is missing")
-
-    def __len__(self) -> int:
-        return int(self.offsets[-1])
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        shard = int(np.searchsorted(self.offsets, i, side="right") - 1)
-        if shard not in self._maps:
-            self._maps[shard] = np.load(self.root / self.index["shards"][shard]["file"], mmap_mode="r")
-        return torch.from_numpy(np.array(self._maps[shard][i - self.offsets[shard]], dtype=np.float32))
-
-    def __getstate__(self):  # workers re-open their own maps
-        state = dict(self.__dict__)
-        state["_maps"] = {}
-        return state
 
 
 SAMPLES_TOKEN = "@samples"

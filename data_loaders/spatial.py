@@ -46,7 +46,7 @@ __all__ = ["SpatialDataError", "GeneVocabulary", "samples_dir", "read_spatial", 
            "hypernodes", "subslice_distances", "build_subslices", "collate_subslices", "SubsliceDataset",
            "PAD_ID", "MASK_ID", "CLS_ID", "MAX_LENGTH", "TOKEN_CELL", "TOKEN_CLS", "TOKEN_HYPERNODE", "TOKEN_PAD",
            "NON_EDGE_DISTANCE", "umap_connectivities", "make_niche_tissue", "demo_tissue",
-           "encode_cells", "write_subslice_shards", "SubsliceShardDataset", "resolve_slice"]
+           "encode_cells", "resolve_slice"]
 
 PAD_ID, MASK_ID, CLS_ID = 0, 1, 25_426
 MAX_LENGTH = 2048
@@ -695,106 +695,6 @@ def expression_baselines(adata, *, n_components: int = 50, spatial_key: str = "s
     xy = np.asarray(adata.obsm[spatial_key])[:, :2]
     _, idx = NearestNeighbors(n_neighbors=min(n_smooth, len(xy))).fit(xy).kneighbors(xy)
     return {"pca": pca, "pca_smoothed": pca[idx].mean(axis=1)}
-
-
-# -- shards: sub-slices preprocessed once, stored compactly (distances as their kNN edges) --------
-
-_SHARD_TENSORS = ("token_embeddings", "token_types", "cell_index", "spatial")
-
-
-def _edges(distances: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    flat = distances.reshape(-1)
-    keep = (flat != 0) & (flat != NON_EDGE_DISTANCE)
-    return keep.nonzero().view(-1), flat[keep]
-
-
-def _dense(n: int, edge_flat: torch.Tensor, edge_value: torch.Tensor) -> torch.Tensor:
-    # every entry that is not an edge is 100, except the [CLS] row/column and the diagonal (0)
-    d = torch.full((n * n,), NON_EDGE_DISTANCE, dtype=torch.float32)
-    d[edge_flat.long()] = edge_value
-    d = d.view(n, n)
-    d[0, :] = 0.0
-    d[:, 0] = 0.0
-    d.fill_diagonal_(0.0)
-    return d
-
-
-def write_subslice_shards(subslices, out_dir: str | Path, *, shard_size: int = 256,
-                          meta: dict | None = None) -> Path:
-    """Write sub-slice dicts (an iterable, e.g. over many slices) to ``out_dir`` as safetensors
-    shards of ``shard_size`` sub-slices plus ``index.json``. Distances are stored as their edges
-    (entries other than 0 and 100), about 20x smaller than the dense matrices."""
-    from safetensors.torch import save_file
-
-    from domainfm.atomic import atomic_path, atomic_write_json
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shards, buffer = [], []
-
-    def flush():
-        if not buffer:
-            return
-        tensors = {k: torch.cat([b[k] for b in buffer]).contiguous() for k in _SHARD_TENSORS}
-        edges = [_edges(b["distances"]) for b in buffer]
-        tensors["edge_flat"] = torch.cat([e[0] for e in edges])
-        tensors["edge_value"] = torch.cat([e[1] for e in edges]).float()
-        tensors["token_offsets"] = torch.tensor([0] + [len(b["token_types"]) for b in buffer]).cumsum(0)
-        tensors["edge_offsets"] = torch.tensor([0] + [len(e[0]) for e in edges]).cumsum(0)
-        name = f"shard-{len(shards):05d}.safetensors"
-        with atomic_path(out_dir / name) as tmp:
-            save_file(tensors, str(tmp))
-        shards.append({"file": name, "subslices": len(buffer)})
-        buffer.clear()
-
-    for item in subslices:
-        buffer.append(item)
-        if len(buffer) >= shard_size:
-            flush()
-    flush()
-    if not shards:
-        raise SpatialDataError(f"write_subslice_shards({out_dir}): no sub-slice to write")
-    atomic_write_json(out_dir / "index.json", {"format": "stofm-subslices-v1", "shards": shards, **(meta or {})})
-    return out_dir
-
-
-class SubsliceShardDataset(torch.utils.data.Dataset):
-    """Sub-slices from :func:`write_subslice_shards` output; a shard is read when first touched
-    (the last one is kept), so each rank of a distributed sampler reads only what it draws."""
-
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        index_file = self.directory / "index.json"
-        if not index_file.is_file():
-            raise SpatialDataError(f"{self.directory}: no index.json (expected a folder from write_subslice_shards)")
-        index = json.loads(index_file.read_text())
-        if index.get("format") != "stofm-subslices-v1":
-            raise SpatialDataError(f"{index_file}: format {index.get('format')!r}, expected 'stofm-subslices-v1'")
-        self.shards = index["shards"]
-        self.starts = np.cumsum([0] + [s["subslices"] for s in self.shards])
-        self._cache: tuple[int, dict[str, torch.Tensor]] | None = None
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def _shard(self, k: int) -> dict[str, torch.Tensor]:
-        if self._cache is None or self._cache[0] != k:
-            from safetensors.torch import load_file
-
-            self._cache = (k, load_file(str(self.directory / self.shards[k]["file"])))
-        return self._cache[1]
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        k = int(np.searchsorted(self.starts, index, side="right") - 1)
-        t = self._shard(k)
-        i = index - int(self.starts[k])
-        a, b = int(t["token_offsets"][i]), int(t["token_offsets"][i + 1])
-        e0, e1 = int(t["edge_offsets"][i]), int(t["edge_offsets"][i + 1])
-        item = {key: t[key][a:b].clone() for key in _SHARD_TENSORS}
-        item["distances"] = _dense(b - a, t["edge_flat"][e0:e1], t["edge_value"][e0:e1])
-        return item
 
 
 # ------------------------------------------------------------------------------ embedded default data

@@ -8,23 +8,40 @@
 Chronos's recipe (reproduced by ``configs/wavetoken/pretrain*.yaml`` for each size): context 512,
 horizon 64, TSMixup 0.9 + KernelSynth 0.1, 200k steps, batch 32, AdamW, lr 1e-3 with linear decay,
 no weight decay, drop probability 0.2, min_past 60. Chronos's TSMixup mixes its real training
-corpus; here it mixes the KernelSynth pool plus any series you list in ``data.extra_series``
-(long-format CSV/Parquet), since no corpus can be downloaded at run time.
+corpus; in memory (``data.kind: memory``) it mixes the KernelSynth pool plus any series you list
+in ``data.extra_series`` (long-format CSV/Parquet) or ``data.statsmodels``, since no corpus can
+be downloaded at run time; a corpus of your own is streamed (below).
 
 ``domainfm pretrain wavetoken`` runs ``configs/wavetoken/pretrain.yaml`` (a short run of the
 test-sized model); the trained model is written to ``RUN/model`` (``create_model(RUN/model)``).
+
+**A real corpus at scale** (``data.kind: streaming``): ``domainfm prepare wavetoken --input FILES
+--output DIR prediction_length=64 min_past=60`` converts series files (long-format CSV/Parquet as
+:func:`domainfm.data_loaders.timeseries.read_long` reads them, or GluonTS/Hugging Face-style
+``.arrow``/Parquet with one series per row) once into LitData shards of raw float32 series, one
+series per sample (:data:`PREPARE`); ``domainfm pretrain wavetoken data.kind=streaming
+data.path=DIR`` (or ``s3://...``) then streams them (:class:`CorpusWindows`). The shards hold the
+raw values, not tokens: the tokenizer (wavelet, scaling, vocabulary) belongs to the model config
+and a corpus serves every model size and tokenizer; TSMixup mixes raw series and the random
+(context, future) windows are cut afresh each epoch, as in Chronos.
+
+**Randomness** (window cropping, TSMixup draws, KernelSynth picks, missing values) is drawn in the
+datasets' ``__getitem__`` from :class:`~domainfm.engine.SampleSeeds` keyed by (``train.seed``,
+epoch, sample index), never from the process RNG, and the loss is the global batch's token mean:
+a run on 2 ranks with batch B per rank equals one process with batch 2B (up to float rounding).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from domainfm import streaming
 from domainfm.data_loaders.synthetic_series import (
     KERNEL_BANK,
     KERNEL_LENGTH,
@@ -35,7 +52,9 @@ from domainfm.data_loaders.synthetic_series import (
     sample_kernel_synth,
     ts_mixup,
 )
-from domainfm.engine import Recipe, TrainConfig, Trainer
+from domainfm.data_loaders.timeseries import left_pad
+from domainfm.engine import Recipe, SampleSeeds, TrainConfig, Trainer
+from domainfm.errors import InputError
 from domainfm.experiment import ModelSection, init_label, resolve
 
 # The KernelSynth / TSMixup names stay importable from here (benchmarks/wavetoken.py and
@@ -49,6 +68,11 @@ __all__ = [
     "ts_mixup",
     "SyntheticWindows",
     "fixed_windows",
+    "SeededWindows",
+    "CorpusWindows",
+    "PrepareSettings",
+    "convert_series",
+    "PREPARE",
     "ForecastRecipe",
     "ModelSection",
     "DataSection",
@@ -66,22 +90,42 @@ class ForecastRecipe(Recipe):
     wrapped module (so data parallel and mixed precision apply). The tokenizer itself runs in fp32
     with autocast off (``SeriesTokenizer``), so the tokens under bf16 autocast are the fp32 ones
     and no caller-side guard is needed here.
+
+    The training loss is the mean over the *global* batch's labelled tokens (Chronos's token
+    mean): on ``W`` ranks each rank's token sum is divided by the token count summed over the
+    ranks and multiplied by ``W`` (data parallel averages the ranks' gradients). A per-rank mean
+    would weight a token by its rank's count of missing future values, so 2 ranks would not equal
+    one process with their batches together.
     """
 
     def __init__(self, model, train_dataset, val_dataset=None):
         self.model, self.train_dataset, self.val_dataset = model, train_dataset, val_dataset
 
-    def _loss(self, model, batch):
+    def _token_losses(self, model, batch):
+        """Summed cross-entropy of the labelled tokens, correct predictions, labelled tokens."""
         context, future = batch[0], batch[1]
         ids, mask, labels = self.model.training_tokens(context, future)
         logits = model(ids, mask, self.model.shift_right(labels))
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        summed = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                                 reduction="sum")
         valid = labels != -100
         correct = ((logits.argmax(-1) == labels) & valid).sum()
-        return loss, correct, valid.sum()
+        return summed, correct, valid.sum()
+
+    def _loss(self, model, batch):
+        summed, correct, total = self._token_losses(model, batch)
+        return summed / total.clamp(min=1), correct, total
 
     def step(self, model, batch):
-        loss, correct, total = self._loss(model, batch)
+        summed, correct, total = self._token_losses(model, batch)
+        world = _world_size()
+        if world > 1:
+            # every rank calls step once per micro-batch, so this collective is matched
+            tokens = total.detach().to(torch.float64)
+            torch.distributed.all_reduce(tokens)
+            loss = summed * (world / tokens.clamp(min=1)).to(summed.dtype)
+        else:
+            loss = summed / total.clamp(min=1)
         return loss, {"loss": loss.detach(), "token_accuracy": (correct / total.clamp(min=1)).detach()}
 
     def eval_step(self, model, batch):
@@ -95,11 +139,238 @@ class ForecastRecipe(Recipe):
                 "token_accuracy": float(outputs["correct"].sum() / outputs["total"].sum().clamp(min=1))}
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# --------------------------------------------------------------------------- training windows
+
+
+class SeededWindows(SyntheticWindows):
+    """:class:`~domainfm.data_loaders.synthetic_series.SyntheticWindows` with every draw taken from
+    ``SampleSeeds(seed)`` keyed by (epoch, index) in ``__getitem__``: the same recipe (TSMixup with
+    probability ``tsmixup_prob``, else a KernelSynth series of the pool; a random end point with
+    at least ``min_past`` values before the future; each context value dropped with probability
+    ``U(0, missing_prob)``), but sample ``i`` of epoch ``e`` is the same window on any rank, in any
+    batch and after a resume. ``set_epoch`` is called by the engine at each epoch start."""
+
+    def __init__(self, kernel_synth, extra, *, seed: int = 0, **kwargs):
+        super().__init__(kernel_synth, extra, **kwargs)
+        self.seeds = SampleSeeds(seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.seeds.set_epoch(epoch)
+
+    def _kernel_synth(self, rng: np.random.Generator) -> np.ndarray:
+        if not self.kernel_synth:
+            raise InputError("data.kernel_synth_series=0 leaves no KernelSynth series for the windows that are not "
+                             "TSMixup (data.tsmixup_prob < 1); generate some or set data.tsmixup_prob=1")
+        return self.kernel_synth[int(rng.integers(len(self.kernel_synth)))]
+
+    def _series(self, index: int, rng: np.random.Generator) -> np.ndarray:
+        if rng.random() < self.tsmixup_prob:
+            return ts_mixup(self.pool, rng, **self.tsmixup)
+        return self._kernel_synth(rng)
+
+    def _window(self, series: np.ndarray, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (context, future) window of ``series`` ending at a random point (SyntheticWindows's cut)."""
+        need = self.min_past + self.prediction_length
+        series = np.asarray(series, dtype=np.float32)
+        if len(series) < need:
+            series = np.concatenate([np.full(need - len(series), np.nan, dtype=np.float32), series])
+        end = int(rng.integers(need, len(series) + 1))
+        future = series[end - self.prediction_length : end]
+        context = left_pad(series[: end - self.prediction_length], self.context_length)
+        if self.missing_prob > 0:
+            rate = rng.uniform(0, self.missing_prob)
+            context = np.where(rng.random(self.context_length) < rate, np.float32(np.nan), context)
+        return torch.from_numpy(np.ascontiguousarray(context, dtype=np.float32)), torch.from_numpy(
+            np.ascontiguousarray(future, dtype=np.float32))
+
+    def __getitem__(self, index: int):
+        rng = self.seeds.numpy(index)
+        return self._window(self._series(int(index), rng), rng)
+
+
+class CorpusWindows(SeededWindows):
+    """One training window per series of a prepared corpus per epoch (``len`` = the corpus's
+    series; :attr:`blocks` its LitData chunks, so the engine's sampler reads chunk by chunk).
+
+    Sample ``i``: with probability ``tsmixup_prob`` a TSMixup of corpus series ``i`` with 0 to
+    ``max_series - 1`` partners drawn uniformly from the real series (the corpus and the
+    in-memory ``extra`` series); otherwise a KernelSynth series of the in-memory pool. That is
+    Chronos's mixture (TSMixup over the real corpus, KernelSynth beside it). The mix's length is
+    drawn between ``min_length`` and ``min(max_length, shortest component)``: a corpus read lazily
+    cannot be filtered by length beforehand, as :func:`ts_mixup` filters its in-memory pool.
+
+    Partners are read by index anywhere in the corpus (Chronos mixes across datasets): cheap on
+    local disk; from object storage a partner outside LitData's chunk cache costs a chunk download.
+    """
+
+    def __init__(self, corpus, kernel_synth, extra, *, seed: int = 0, **kwargs):
+        kwargs["num_windows"] = len(corpus)
+        super().__init__(kernel_synth, extra, seed=seed, **kwargs)
+        self.corpus = corpus
+        self.extra = [np.asarray(s, dtype=np.float32) for s in extra]
+
+    @property
+    def blocks(self) -> list[tuple[int, int]]:
+        return self.corpus.blocks
+
+    def _corpus_series(self, index: int) -> np.ndarray:
+        return np.asarray(self.corpus[index]["target"], dtype=np.float32)
+
+    def _partner(self, rng: np.random.Generator) -> np.ndarray:
+        j = int(rng.integers(len(self.corpus) + len(self.extra)))
+        return self._corpus_series(j) if j < len(self.corpus) else self.extra[j - len(self.corpus)]
+
+    def _series(self, index: int, rng: np.random.Generator) -> np.ndarray:
+        if rng.random() >= self.tsmixup_prob:
+            return self._kernel_synth(rng)
+        mix = self.tsmixup
+        k = int(rng.integers(1, mix.get("max_series", 3) + 1))
+        parts = [self._corpus_series(index)] + [self._partner(rng) for _ in range(k - 1)]
+        return _mix(parts, rng, alpha=mix.get("alpha", 1.5), min_length=mix["min_length"],
+                    max_length=mix.get("max_length", 2048))
+
+
+def _mix(parts: list[np.ndarray], rng: np.random.Generator, *, alpha: float, min_length: int,
+         max_length: int) -> np.ndarray:
+    """TSMixup (Chronos Alg. 1) of the given series: Dirichlet(``alpha``) weights over windows of
+    one random length at random offsets, each divided by its mean |x|."""
+    high = min(max_length, min(len(p) for p in parts))
+    length = int(rng.integers(min(min_length, high), high + 1))
+    weights = rng.dirichlet(np.full(len(parts), alpha))
+    out = np.zeros(length, dtype=np.float64)
+    for w, series in zip(weights, parts):
+        start = int(rng.integers(0, len(series) - length + 1))
+        window = np.asarray(series[start : start + length], dtype=np.float64)
+        observed = np.abs(window[np.isfinite(window)])
+        scale = observed.mean() if observed.size else 0.0
+        out += w * window / (scale if scale > 0 else 1.0)
+    return out.astype(np.float32)
+
+
+# --------------------------------------------------------------------------- corpus preparation
+
+
+@dataclass
+class PrepareSettings:
+    """What ``domainfm prepare wavetoken`` keeps: each series whole, as raw float32 values (NaN =
+    missing) with its item id, if it has at least ``min_past + prediction_length`` values and at
+    most ``max_missing_prop`` of them missing (Chronos's training filter). ``prediction_length``
+    and ``min_past`` must then equal the model's horizon and ``data.min_past`` of the pretraining.
+    ``item_id``/``timestamp``/``target``/``freq``: the columns of a long-format file (``item_id``
+    null: one series per file); ``target`` (and ``item_id`` when present) also names the columns of
+    a file with one series per row. No context length: windows are cut at training time, so one
+    corpus serves any context length."""
+
+    prediction_length: int = 64
+    min_past: int = 60
+    max_missing_prop: float = 0.9
+    item_id: str | None = "item_id"
+    timestamp: str = "timestamp"
+    target: str = "target"
+    freq: str | None = None
+
+    def __post_init__(self):
+        if self.prediction_length < 1 or self.min_past < 1:
+            raise InputError(f"prediction_length={self.prediction_length}, min_past={self.min_past}: must be >= 1")
+        if not 0 <= self.max_missing_prop <= 1:
+            raise InputError(f"max_missing_prop={self.max_missing_prop}: expected a fraction in [0, 1]")
+
+
+_ARROW = (".arrow", ".feather", ".ipc")
+_PARQUET = (".parquet", ".pq")
+
+
+def _rows_table(path: Path, target: str):
+    """The file as a pyarrow table when it holds one series per row (an Arrow IPC file as GluonTS
+    and Hugging Face datasets write them, or a Parquet file whose ``target`` column is a list);
+    None for a long-format file."""
+    import pyarrow as pa
+
+    suffix = path.suffix.lower()
+    if suffix in _ARROW:
+        try:
+            return pa.ipc.open_file(path).read_all()
+        except pa.ArrowInvalid:  # the streaming format (Hugging Face datasets' cache files)
+            with pa.OSFile(str(path), "rb") as fh:
+                return pa.ipc.open_stream(fh).read_all()
+    if suffix in _PARQUET:
+        import pyarrow.parquet as pq
+
+        schema = pq.read_schema(path)
+        if target in schema.names and _is_list(schema.field(target).type):
+            return pq.read_table(path)
+    return None
+
+
+def _is_list(kind) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+
+
+def _series_of(settings: PrepareSettings, path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    from domainfm.data_loaders.timeseries import TimeSeriesError, iter_long
+
+    table = _rows_table(path, settings.target)
+    if table is None:
+        for s in iter_long(path, item_id=settings.item_id, timestamp=settings.timestamp, target=settings.target,
+                           freq=settings.freq):
+            yield s["item_id"], np.asarray(s["target"], dtype=np.float64)
+        return
+    if settings.target not in table.column_names:
+        raise TimeSeriesError(f"{path}: no column {settings.target!r} (columns {table.column_names}); set target=")
+    ids = table.column(settings.item_id).to_pylist() if settings.item_id in table.column_names else None
+    for row, values in enumerate(table.column(settings.target).to_pylist()):
+        item = str(ids[row]) if ids is not None else f"{path.stem}/{row}"
+        target = np.asarray([np.nan if v is None else v for v in (values or [])], dtype=np.float64)
+        if target.ndim != 1:
+            raise TimeSeriesError(f"{path}: item {item!r}: column {settings.target!r} holds shape {target.shape}; "
+                                  "expected one univariate series per row")
+        if np.isinf(target).any():
+            raise TimeSeriesError(f"{path}: item {item!r}: column {settings.target!r} contains infinite values")
+        yield item, target
+
+
+def convert_series(settings: PrepareSettings, path: str) -> Iterator[dict[str, Any]]:
+    """The samples of one series file: ``{"item_id": str, "target": float32 (T,)}`` per series
+    kept by ``settings`` (see :class:`PrepareSettings`)."""
+    need = settings.min_past + settings.prediction_length
+    for item, target in _series_of(settings, Path(path)):
+        if len(target) < need or (np.isnan(target).mean() if len(target) else 1.0) > settings.max_missing_prop:
+            continue
+        yield {"item_id": item, "target": target.astype(np.float32)}
+
+
+#: ``domainfm prepare wavetoken``: series files into a corpus of raw series (see PrepareSettings)
+PREPARE = streaming.Preparation(
+    convert=convert_series, settings=PrepareSettings, suffixes=(".csv", ".parquet", ".pq", ".arrow"),
+    what="series files (long-format CSV/Parquet, or one series per row in .arrow/Parquet) as raw float32 "
+         "series, one per sample")
+
+
 # --------------------------------------------------------------------------- config + entry
+
+
+#: where the real series come from: ``memory`` (data.extra_series / data.statsmodels, read whole)
+#: or ``streaming`` (a corpus written by ``domainfm prepare wavetoken``, at data.path)
+DATA_KINDS = ("memory", "streaming")
 
 
 @dataclass
 class DataSection:
+    """The pretraining series. ``kind: memory``: ``windows_per_epoch`` windows per epoch from the
+    KernelSynth pool and TSMixup over it plus ``extra_series``/``statsmodels``. ``kind:
+    streaming``: one window per series of the prepared corpus at ``path`` (a folder or
+    ``s3://...``) per epoch, TSMixup over its real series (:class:`CorpusWindows`);
+    ``windows_per_epoch`` is not used."""
+
+    kind: str = "memory"
+    path: str | None = None
     kernel_synth_series: int = 1000
     kernel_synth_length: int = 1024
     max_kernels: int = 5
@@ -116,6 +387,16 @@ class DataSection:
     missing_prob: float = 0.2
     min_past: int = 60
     seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in DATA_KINDS:
+            raise InputError(f"data.kind={self.kind!r}: expected one of {list(DATA_KINDS)}")
+        if self.kind == "streaming" and not self.path:
+            raise InputError("data.kind=streaming needs data.path: a folder written by `domainfm prepare wavetoken "
+                             "--input FILES --output DIR` (or its copy at s3://...)")
+        if self.kind == "memory" and self.path:
+            raise InputError(f"data.path={self.path} is read with data.kind=streaming only; set data.kind=streaming "
+                             "(or drop data.path)")
 
 
 @dataclass
@@ -140,6 +421,22 @@ def _load_extra(paths: list[str]) -> list[np.ndarray]:
     return out
 
 
+def open_corpus(path: str, *, prediction_length: int, min_past: int) -> streaming.PreparedCorpus:
+    """The prepared corpus at ``path``, refused (naming ``data.path`` and the field) when it was
+    prepared for another horizon or ``min_past`` than this pretraining uses."""
+    corpus = streaming.PreparedCorpus(path, family="wavetoken")
+    settings = corpus.settings
+    wanted = {"prediction_length": (prediction_length, "the model's prediction_length"),
+              "min_past": (min_past, "data.min_past")}
+    for name, (value, what) in wanted.items():
+        if settings.get(name) != value:
+            raise streaming.PrepareError(
+                f"data.path {corpus.path}: the corpus was prepared with {name}={settings.get(name)}, but this "
+                f"pretraining uses {name}={value} ({what}); prepare it again with `domainfm prepare wavetoken ... "
+                f"{name}={value}`")
+    return corpus
+
+
 def parameter_counts(model) -> dict[str, int]:
     return {"params_total": sum(p.numel() for p in model.parameters()),
             "params_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
@@ -157,9 +454,12 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         raise ValueError(f"data.tsmixup_prob={d.tsmixup_prob}: expected a probability")
     torch.manual_seed(cfg.train.seed)
     model, init_info = build_model(cfg.model)
+    corpus = None
+    if d.kind == "streaming":  # refused before anything is generated when it does not fit this model
+        corpus = open_corpus(d.path, prediction_length=model.prediction_length, min_past=d.min_past)
     start = time.perf_counter()
     kernel_synth = generate_kernel_synth(d.kernel_synth_series, length=d.kernel_synth_length, max_kernels=d.max_kernels,
-                                         seed=d.seed)
+                                         seed=d.seed) if d.kernel_synth_series > 0 else []
     synth_seconds = time.perf_counter() - start
     extra = _load_extra(d.extra_series)
     if d.statsmodels:
@@ -170,7 +470,10 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                    max_length=d.tsmixup_max_length)
     common = dict(context_length=model.context_length, prediction_length=model.prediction_length,
                   tsmixup_prob=d.tsmixup_prob, missing_prob=d.missing_prob, min_past=d.min_past, tsmixup=tsmixup)
-    train = SyntheticWindows(kernel_synth, extra, num_windows=d.windows_per_epoch, **common)
+    if corpus is not None:
+        train = CorpusWindows(corpus, kernel_synth, extra, seed=cfg.train.seed, **common)
+    else:
+        train = SeededWindows(kernel_synth, extra, num_windows=d.windows_per_epoch, seed=cfg.train.seed, **common)
     val = None
     if d.val_windows > 0:
         held_out = generate_kernel_synth(max(8, d.val_windows // 8), length=d.kernel_synth_length,
@@ -188,9 +491,13 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "kernel_synth_series": d.kernel_synth_series,
         "kernel_synth_series_per_s": round(d.kernel_synth_series / max(synth_seconds, 1e-9), 1),
         "extra_series": len(extra),
+        "data_kind": d.kind,
         "model_dir": saved,
         "saved_model": saved,  # what the experiment layer takes from a stage
     }
+    if corpus is not None:
+        report.update(corpus=corpus.describe(), corpus_path=corpus.path, corpus_series=len(corpus),
+                      corpus_settings=corpus.settings)
     train_losses = [r["loss"] for r in result.history if r.get("split") == "train"]
     if train_losses:
         report["train_loss_first"], report["train_loss_last"] = train_losses[0], train_losses[-1]

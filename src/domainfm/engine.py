@@ -728,6 +728,11 @@ class Trainer:
             g.setdefault("initial_lr", g["lr"])
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         model, optimizer = self.fabric.setup(recipe.model, optimizer)
+        if self.fabric.world_size > 1:
+            # the model is set up (its weights broadcast from rank 0): from here on each rank draws
+            # its own stream, so that dropout masks are not the same on every rank's half of the
+            # batch; per-sample draws that must not depend on the rank come from SampleSeeds
+            torch.manual_seed((cfg.seed + 1_000_003 * self.fabric.global_rank) % (2 ** 63))
         self._model = model
         raw_optimizer = getattr(optimizer, "optimizer", optimizer)
         # One process on one device in fp32 or bf16 autocast: the step calls the module, backward

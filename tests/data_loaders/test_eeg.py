@@ -1,13 +1,11 @@
-"""EEG loading: EDF round trips through MNE's exporter, windows, labels, units, errors, shards."""
+"""EEG loading: EDF round trips through MNE's exporter, windows, labels, units, errors."""
 from __future__ import annotations
 
 import importlib.resources
-import pickle
 
 import mne
 import numpy as np
 import pytest
-import torch
 
 from domainfm.data_loaders import eeg
 from domainfm.data_loaders.eeg import EEGError, EEGSettings
@@ -125,27 +123,6 @@ def test_channel_name_normalisation():
     assert eeg.normalize_channel_name("Fc5.") == "FC5"
     assert eeg.normalize_channel_name("EEG T3-LE") == "T3"
     assert eeg.normalize_channel_name("cz") == "CZ"
-
-
-def test_shards_round_trip_and_pickle(tmp_path):
-    rng = np.random.default_rng(0)
-    batches = [rng.standard_normal((4, 2, 400)).astype(np.float32), rng.standard_normal((3, 2, 400)).astype(np.float32)]
-    root = eeg.write_shards(iter(batches), tmp_path / "shards", shard_size=3, meta={"source": "test"})
-    ds = eeg.ShardDataset(root)
-    assert len(ds) == 7 and ds.index["meta"] == {"source": "test"}
-    assert [s["count"] for s in ds.index["shards"]] == [3, 3, 1]
-    every = np.concatenate(batches)
-    for i in range(7):
-        torch.testing.assert_close(ds[i], torch.from_numpy(every[i]), atol=2e-3, rtol=1e-3)  # float16 storage
-    clone = pickle.loads(pickle.dumps(ds))
-    assert clone._maps == {} and torch.equal(clone[5], ds[5])
-    with pytest.raises(IndexError):
-        ds[7]
-    (root / "shard_00001.npy").unlink()
-    with pytest.raises(EEGError, match="shard_00001.npy listed in index.json is missing"):
-        eeg.ShardDataset(root)
-    with pytest.raises(EEGError, match="no index.json"):
-        eeg.ShardDataset(tmp_path)
 
 
 def test_shipped_sample_recording_reads():

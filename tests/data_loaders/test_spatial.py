@@ -234,15 +234,3 @@ def test_shipped_demo_tissue_is_reproducible():
     S.validate(shipped)
     assert S.tokenize(shipped).n_genes_matched > 600
 
-
-def test_shards_round_trip_subslices_exactly(tmp_path):
-    xy, emb, clusters = _slice(n=400)
-    subs = S.build_subslices(xy, emb, cells_per_subslice=60, knn=6, clusters=clusters)
-    S.write_subslice_shards(iter(subs), tmp_path / "shards", shard_size=3)
-    ds = S.SubsliceShardDataset(tmp_path / "shards")
-    assert len(ds) == len(subs) and len(ds.shards) == -(-len(subs) // 3)
-    for i in (len(subs) - 1, 0, 4, 1):
-        for key, value in subs[i].items():
-            assert torch.equal(ds[i][key], value), key
-    with pytest.raises(S.SpatialDataError, match="index.json"):
-        S.SubsliceShardDataset(tmp_path)

@@ -21,14 +21,13 @@ def _subslices():
     return S.build_subslices(xy, emb, cells_per_subslice=120, knn=8, clusters=clusters)
 
 
-def test_collator_masks_as_officially():
+def test_masks_are_drawn_as_officially():
     subs = _subslices()
     item = subs[0]
     n_cells = int((item["token_types"] == S.TOKEN_CELL).sum())
-    collate = P.PretrainCollator(P.MaskingSection(), torch.Generator().manual_seed(0))
-    batch = collate(subs[:2])
+    masked_item = P.mask_subslice(item, P.MaskingSection(), torch.Generator().manual_seed(0))
     t = len(item["token_types"])
-    emb, labels = batch["token_embeddings"][0, :t], batch["labels"][0, :t]
+    emb, labels = masked_item["token_embeddings"], masked_item["labels"]
     masked = (emb == -100).all(-1)
     labelled = (labels != -100).all(-1)
     assert int(masked.sum()) == int(0.12 * n_cells) and int(labelled.sum()) == int(0.12 * n_cells) + int(0.03 * n_cells)
@@ -36,7 +35,7 @@ def test_collator_masks_as_officially():
     torch.testing.assert_close(labels[labelled], item["token_embeddings"][labelled])
     torch.testing.assert_close(emb[~masked], item["token_embeddings"][~masked])
     # pair objective: labels are the true kNN distances on edges touching the chosen cells
-    d0, pl, dn = item["distances"], batch["pair_labels"][0, :t, :t], batch["distances"][0, :t, :t]
+    d0, pl, dn = item["distances"], masked_item["pair_labels"], masked_item["distances"]
     has = pl != -100
     assert has.any()
     torch.testing.assert_close(pl[has], d0[has])
@@ -48,19 +47,53 @@ def test_collator_masks_as_officially():
     jittered = changed & cells & ((dn != S.NON_EDGE_DISTANCE) & (dn != 0)).sum(1).ge(t - 3)
     assert int(jittered.sum()) == int(0.12 * n_cells)
     torch.testing.assert_close(dn, dn.t())
-    assert (dn[0] == 0).all() and (batch["token_types"][0, t:] == S.TOKEN_PAD).all()
+    assert (dn[0] == 0).all()
+
+
+def test_draws_come_from_the_sample_index_and_epoch_not_the_process_rng():
+    subs = _subslices()
+    data = P.PretrainSubslices(subs, P.MaskingSection(), seed=3)
+    first = data[1]
+    torch.manual_seed(123)  # the process RNG plays no part
+    again = data[1]
+    for key in ("token_embeddings", "distances", "labels", "pair_labels"):
+        assert torch.equal(first[key], again[key]), key
+    assert first["dropout_seed"] == again["dropout_seed"]
+    # another epoch, another sample or another run seed: other draws
+    assert data[0]["dropout_seed"] != first["dropout_seed"]
+    data.set_epoch(1)
+    assert not torch.equal(data[1]["labels"], first["labels"])
+    assert not torch.equal(P.PretrainSubslices(subs, P.MaskingSection(), seed=4)[1]["labels"], first["labels"])
+    # a held-out part reads its sub-slices in the source's order and draws by its own positions
+    from domainfm.engine import SampleSeeds
+
+    part = P.PretrainSubslices(subs, P.MaskingSection(), seed=3, indices=[3, 1])
+    want = P.mask_subslice(subs[1], P.MaskingSection(), SampleSeeds(3).generator(0))
+    assert torch.equal(part[0]["cell_index"], subs[1]["cell_index"]) and torch.equal(part[0]["labels"], want["labels"])
 
 
 def test_losses_are_the_official_forms():
+    # the official batched losses over a padded batch: one mean over all masked cells (pairs) of
+    # the batch; ours takes each sub-slice through the model alone and pools the sums
     model = domainfm.create_model("stofm-test", n_outputs=None, pretrain_heads=True).eval()
-    batch = P.PretrainCollator(P.MaskingSection(), torch.Generator().manual_seed(1))(_subslices()[:2])
-    lm_loss, pair_loss = P.pretraining_losses(model, batch)
+    g = torch.Generator().manual_seed(1)
+    items = [P.mask_subslice(s, P.MaskingSection(), g) for s in _subslices()[:3]]
+    assert len({len(i["token_types"]) for i in items}) > 1  # padding is exercised
+    lm_loss, pair_loss = P.pretraining_losses(model, items)
+    batch = S.collate_subslices([{k: i[k] for k in ("token_embeddings", "distances", "token_types")} for i in items])
+    n, d = batch["token_types"].shape[1], items[0]["labels"].shape[1]
+    labels = torch.full((len(items), n, d), -100.0)
+    pair_labels = torch.full((len(items), n, n), -100.0)
+    for k, item in enumerate(items):
+        t = len(item["token_types"])
+        labels[k, :t], pair_labels[k, :t, :t] = item["labels"], item["pair_labels"]
     _, lm, pair = model.forward_pretrain(batch["token_embeddings"], batch["distances"], batch["token_types"])
-    chosen = batch["labels"][..., 0] != -100
-    want = torch.nn.CosineEmbeddingLoss()(lm[chosen], batch["labels"][chosen], torch.ones(int(chosen.sum())))
-    torch.testing.assert_close(lm_loss, want)
-    pairs = batch["pair_labels"] != -100
-    torch.testing.assert_close(pair_loss, torch.nn.MSELoss()(pair[pairs], batch["pair_labels"][pairs]))
+    chosen = labels[..., 0] != -100
+    want = torch.nn.CosineEmbeddingLoss()(lm[chosen], labels[chosen], torch.ones(int(chosen.sum())))
+    torch.testing.assert_close(lm_loss, want, rtol=1e-5, atol=1e-6)
+    pairs = pair_labels != -100
+    torch.testing.assert_close(pair_loss, torch.nn.MSELoss()(pair[pairs], pair_labels[pairs]), rtol=1e-5, atol=1e-5)
+    model.zero_grad()
     (lm_loss + pair_loss).backward()
     assert model.pair_head[0].weight.grad.abs().sum() > 0 and model.lm_head[0].weight.grad.abs().sum() > 0
     assert model.gaussian.proj[0].weight.grad.abs().sum() > 0
@@ -90,7 +123,7 @@ def test_cli_pretraining_run_saves_a_loadable_backbone(tmp_path):
     data = P.DataSection(cell_encoder=P.CellEncoderSection(name="stofm-cell-encoder-test"), cells_per_subslice=300,
                          val_fraction=0.34)
     _, val, _ = P.build_datasets(data, seed=0)
-    batch = P.PretrainCollator(P.MaskingSection(), torch.Generator().manual_seed(0))([val[i] for i in range(len(val))])
+    batch = [val[i] for i in range(len(val))]  # the held-out masks of the run (fixed per sample)
     with torch.no_grad(), torch.random.fork_rng():
         with_heads = domainfm.create_model("stofm-test", n_outputs=None, pretrain_heads=True).eval()
         with_heads.load_state_dict(trained)
