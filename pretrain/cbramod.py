@@ -98,7 +98,7 @@ def prepare_recording(settings: CorpusSettings, path: str) -> list[dict[str, np.
 
 #: ``domainfm prepare cbramod --input FILES/DIRS --output DIR [key=value ...]`` (keys: :class:`CorpusSettings`)
 PREPARE = streaming.Preparation(
-    convert=prepare_recording, settings=CorpusSettings, suffixes=(".edf", ".bdf", ".fif", ".vhdr", ".set"),
+    convert=prepare_recording, settings=CorpusSettings, suffixes=(".edf", ".bdf", ".fif", ".fif.gz", ".vhdr", ".set"),
     what="EEG recordings (EDF/BDF/FIF/BrainVision/EEGLAB, read with MNE) -> windows in units of 100 µV, the paper's "
          "TUEG pipeline unless key=value settings say otherwise")
 

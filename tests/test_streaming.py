@@ -190,3 +190,11 @@ def test_the_engine_trains_from_a_corpus_exactly_as_from_the_same_samples_in_mem
     for key in weights[0]:
         torch.testing.assert_close(weights[0][key], weights[1][key], rtol=0, atol=0, msg=key)
     assert json.loads((tmp_path / "corpus" / streaming.MANIFEST).read_text())["samples"] == 96
+
+
+def test_input_folders_are_searched_by_the_end_of_each_name(tmp_path):
+    for name in ("a.edf", "b.fif.gz", "c.EDF", "notes.txt", "sub/d.edf"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    found = streaming.iter_files([str(tmp_path)], (".edf", ".fif.gz"))
+    assert [p.relative_to(tmp_path).as_posix() for p in found] == ["a.edf", "b.fif.gz", "c.EDF", "sub/d.edf"]

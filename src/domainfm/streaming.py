@@ -289,7 +289,8 @@ def iter_files(patterns: Iterable[str], suffixes: Sequence[str]) -> list[Path]:
     for pattern in patterns:
         path = Path(pattern)
         if path.is_dir():
-            out += [p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in suffixes]
+            # by the end of the name, so that .fif.gz and other double suffixes are found
+            out += [p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(tuple(suffixes))]
         elif any(ch in pattern for ch in "*?["):
             out += [Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
         else:
