@@ -352,3 +352,12 @@ def test_trainer_does_not_log_lightnings_precision_notice_but_keeps_other_messag
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+
+
+def test_a_dataset_smaller_than_one_global_batch_is_an_error_not_zero_steps():
+    # drop_last with fewer samples than a batch gave no batch at all, and the run "trained" 0 steps
+    with pytest.raises(ValueError, match=r"10 training samples .* train.batch_size=16"):
+        Trainer(_cfg(max_epochs=2)).fit(ClassifyRecipe(TinyNet(), make_dataset(n=10)))
+    # without drop_last the short batch is used
+    result = Trainer(_cfg(max_epochs=2, drop_last=False)).fit(ClassifyRecipe(TinyNet(), make_dataset(n=10)))
+    assert result.global_step == 2

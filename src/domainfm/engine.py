@@ -544,7 +544,14 @@ class Trainer:
     def _steps_per_epoch(self, sampler: ResumableSampler) -> int:
         per_rank = sampler.per_rank
         micro = per_rank // self.config.batch_size if self.config.drop_last else math.ceil(per_rank / self.config.batch_size)
-        return max(1, micro // self.config.grad_accum)
+        if micro // self.config.grad_accum == 0:
+            world = sampler.num_replicas
+            raise ValueError(
+                f"{sampler.length} training samples make no full optimizer step: train.batch_size="
+                f"{self.config.batch_size} per process x {world} process(es) x train.grad_accum={self.config.grad_accum}"
+                " (train.drop_last drops a short last batch); lower train.batch_size or train.grad_accum, or set "
+                "train.drop_last=false")
+        return micro // self.config.grad_accum
 
     # -- checkpoints ----------------------------------------------------------
 
