@@ -163,3 +163,4 @@ _register_chronos("test", _TEST_T5, n_tokens=512, context_length=64, prediction_
 for _size in ("tiny", "mini", "small", "base", "large"):
     _register_chronos(_size, T5_SIZES[_size], weights=_chronos_weights(_size))
 from . import chronos_bolt  # noqa: E402,F401  (registers chronos-bolt-*; see chronos_bolt.py)
+from . import chronos2  # noqa: E402,F401  (registers chronos-2*; see chronos2.py)
