@@ -37,6 +37,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -466,6 +467,8 @@ class ApplyOptions:
     plot: str | None = apply.option(None, "fan chart PNG of the first six series (default: <output stem>.png)",
                                     output=(".png",), default_from=".png", commands=PREDICT_ONLY)
     no_plot: bool = apply.option(False, "do not draw the fan chart", commands=PREDICT_ONLY)
+    future_covariates: str | None = apply.option(None, "Chronos-2: CSV/Parquet of the known-future covariates "
+                                                 "(item, timestamp, covariates) over the horizon", commands=PREDICT_ONLY)
 
 
 @dataclass
@@ -476,7 +479,16 @@ class ForecastSettings:
     prediction_length: int | None = None
 
 
+def _chronos2(model=None):
+    """finetune/chronos2.py when ``model`` is Chronos-2 (targets + covariates: it reads, forecasts and plots)."""
+    from domainfm.models.wavetoken.chronos2 import Chronos2
+
+    return importlib.import_module("domainfm.finetune.chronos2") if isinstance(model, Chronos2) else None
+
+
 def _settings(ref: apply.ModelRef, model) -> ForecastSettings:
+    if _chronos2(model):
+        return _chronos2(model).predict_settings(ref, model)
     cfg = ref.run_config(Config)  # a run folder (or a model inside one): its own horizon, levels and sampling
     return ForecastSettings() if cfg is None else ForecastSettings(cfg.eval, cfg.data.prediction_length)
 
@@ -484,6 +496,9 @@ def _settings(ref: apply.ModelRef, model) -> ForecastSettings:
 def _read(source, settings, options: ApplyOptions | None):
     """(a name for titles, the series one at a time: read lazily, in chunks, as they are forecast)."""
     o = options or ApplyOptions()
+    chronos2 = importlib.import_module("domainfm.finetune.chronos2")
+    if isinstance(settings, chronos2.PredictSettings):  # a Chronos-2 model (see _settings)
+        return chronos2.read_for_predict(source, settings, o)
     name = Path(source).name if isinstance(source, (str, Path)) else "series"
     return name, T.iter_series(source, item_id=o.item_id, timestamp=o.timestamp, target=o.target, freq=o.freq,
                                chunk_rows=o.chunk_rows)
@@ -491,6 +506,8 @@ def _read(source, settings, options: ApplyOptions | None):
 
 def _predict(data, model, settings: ForecastSettings, options: ApplyOptions | None, run: apply.Runtime) -> apply.Output:
     o = options or ApplyOptions()
+    if _chronos2(model):
+        return _chronos2(model).predict_output(data, model, settings, o, run)
     name, items = data
     ev = dataclasses.replace(settings.eval, quantile_levels=o.quantiles or list(settings.eval.quantile_levels),
                              num_samples=o.num_samples or settings.eval.num_samples,

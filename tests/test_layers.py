@@ -37,7 +37,7 @@ def test_families_declare_predict_and_embed_without_argparse():
     import domainfm.finetune as finetune
 
     families = sorted(p for p in Path(finetune.__path__[0]).glob("*.py") if p.name != "__init__.py")
-    assert len(families) == 7
+    assert len(families) == 8
     for path in families:
         assert "argparse" not in _imports(path), path.name
         assert "APPLY" in path.read_text(), path.name
