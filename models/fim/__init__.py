@@ -137,12 +137,14 @@ def fim_imputation_base(**kwargs) -> FIMImputer:
     input_spec=_SPEC, defaults=dict(SMALL_KWARGS), converters={"official": convert_official_local}, head="head",
     weights=[WeightSource(
         "package://domainfm.models.fim/weights/fim-imputation-small.synthetic-prior.safetensors",
-        sha256="825aac9d623b9e3c027e7cd1bd594be003a56c44cdef80ac2ee7b42294217180", tag="synthetic-prior",
+        sha256="883968cba2345b1361823689dee36cc7b562ce2dd4992c6535f4f10162855624", tag="synthetic-prior",
         license="MIT", card="package://domainfm.models.fim/weights/fim-imputation-small.synthetic-prior.md",
         description="trained by domainfm, not the published weights: the official objective on domainfm's "
-                    "synthetic ODE prior (configs/fim/pretrain_synthetic_prior.yaml); see the card",
-        pretraining_data="domainfm's synthetic ODE prior only (domainfm.pretrain.fim): 256,000 1-D ODE solutions "
-                         "with Chebyshev-series or RBF-GP drifts on a 128-point grid; no real series",
+                    "synthetic ODE prior in two stages (configs/fim/pretrain_synthetic_prior.yaml, then "
+                    "pretrain_synthetic_prior_continued.yaml); see the card",
+        pretraining_data="domainfm's synthetic ODE prior only (domainfm.pretrain.fim): two draws of 256,000 1-D ODE "
+                         "solutions (seeds 0 and 1) with Chebyshev-series or RBF-GP drifts on a 128-point grid; no "
+                         "real series",
         overlaps=())],
 )
 def fim_imputation_small(**kwargs) -> FIMImputer:
