@@ -92,8 +92,21 @@ def build(family: str, device: str):
     return model, inputs, batch
 
 
+def _uses_features(model, inputs) -> bool:
+    """forward_features when it takes the example's inputs (FIM's also takes evaluation times: forward)."""
+    import inspect
+
+    if not hasattr(model, "forward_features"):
+        return False
+    try:
+        inspect.signature(model.forward_features).bind(*inputs)
+        return True
+    except TypeError:
+        return False
+
+
 def _loss(model, inputs):
-    out = model.forward_features(*inputs) if hasattr(model, "forward_features") else model(*inputs)
+    out = model.forward_features(*inputs) if _uses_features(model, inputs) else model(*inputs)
     tensors = [out] if torch.is_tensor(out) else [v for v in (out.values() if isinstance(out, dict) else out)
                                                    if torch.is_tensor(v)]
     return sum(t.float().square().mean() for t in tensors if t.is_floating_point())
@@ -145,9 +158,9 @@ def _ddp_worker(rank: int, world: int, family: str, bf16: bool, steps: int, port
         def step():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 # forward_features through DDP's forward so that its gradient hooks run
-                out = ddp(*inputs) if not hasattr(model, "forward_features") else _through_ddp(ddp, inputs)
-                loss = sum(t.float().square().mean() for t in ([out] if torch.is_tensor(out) else out)
-                           if torch.is_tensor(t) and t.is_floating_point())
+                out = _through_ddp(ddp, inputs) if _uses_features(model, inputs) else ddp(*inputs)
+                parts = [out] if torch.is_tensor(out) else list(out.values() if isinstance(out, dict) else out)
+                loss = sum(t.float().square().mean() for t in parts if torch.is_tensor(t) and t.is_floating_point())
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
