@@ -456,7 +456,9 @@ def _read(recording, settings: InferenceSettings, options: ApplyOptions | None) 
 
 def _check_channels(data: _Windows, model: nn.Module) -> None:
     n_chans, head = getattr(model, "n_chans", None), getattr(model, "head", None)
-    if n_chans and head is not None and getattr(head, "head_type", None) == "all_patch_reps" and data.x.shape[1] != n_chans:
+    # heads whose input size fixes the channels: ours over all patches, and braindecode's classifier
+    fixed = getattr(head, "head_type", None) in ("all_patch_reps", "flatten_emb")
+    if n_chans and head is not None and fixed and data.x.shape[1] != n_chans:
         picked = data.settings.eeg.channels or "every EEG channel of the file"
         raise eeg.EEGError(
             f"{data.source}: the model takes {n_chans} channels but the recording gives "

@@ -448,3 +448,19 @@ def test_a_files_run_without_channel_names_records_the_first_files_channels(runs
     shuffled = _export(tmp_path / "val_shuffled.edf", raw.get_data(), raw.ch_names, raw.info["sfreq"])
     got = [ft.predict(path, run, precision="32-true") for path in (reordered, shuffled)]
     np.testing.assert_allclose(_probs(got[1]), _probs(got[0]), atol=1e-6)
+
+
+@pytest.mark.parametrize("head_type", ["all_patch_reps", "flatten_emb"])
+def test_a_head_that_fixes_the_channel_count_refuses_another_count_by_name(head_type):
+    # braindecode's classifier (flatten_emb) fixes the channels as all_patch_reps does
+    import types
+
+    from domainfm.finetune.cbramod import _check_channels
+
+    model = create_model("cbramod-test", head_type=head_type, n_chans=4, n_times=400, n_outputs=2)
+    data = types.SimpleNamespace(x=np.zeros((2, 3, 400), dtype=np.float32), source="rec.edf",
+                                 settings=types.SimpleNamespace(eeg=types.SimpleNamespace(channels=["Fp1", "Fp2", "Oz"])))
+    with pytest.raises(eeg.EEGError, match="rec.edf: the model takes 4 channels but the recording gives 3"):
+        _check_channels(data, model)
+    data.x = np.zeros((2, 4, 400), dtype=np.float32)
+    _check_channels(data, model)  # the model's own count passes
