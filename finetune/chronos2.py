@@ -58,6 +58,7 @@ from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Fami
 from domainfm.experiment import apply
 from domainfm.experiment.forecast_metrics import forecast_scores
 from domainfm.experiment.pictures import fan_chart, fan_figure
+from domainfm.finetune.wavetoken import zero_shot_protocol
 from domainfm.lora.settings import LoraSettings
 
 __all__ = ["Config", "DataSection", "EvalSection", "RetainedSection", "FAMILY", "Chronos2Recipe", "SeriesTable",
@@ -366,14 +367,7 @@ def build_recipe(cfg: Config, model, task: TaskData) -> Chronos2Recipe:
 # --------------------------------------------------------------------------- protocols
 
 
-def zero_shot(ctx: ArmContext) -> dict[str, Any]:
-    """Test scores of the arm's model before adaptation (with ``adapt.mode: none`` they are the
-    arm's test scores already)."""
-    if ctx.mode == "none" or ctx.task.test is None:
-        return {}
-    trainer = Trainer(dataclasses.replace(ctx.cfg.train, progress=False), run_dir=None)
-    scores = trainer.evaluate(build_recipe(ctx.cfg, ctx.model, ctx.task), ctx.task.test, model=ctx.model)
-    return {"zero_shot": {"test": {k: scores[k] for k in ("mase_rel", "wql_rel")}}}
+zero_shot = zero_shot_protocol(build_recipe)  # the wavetoken family's protocol, on this family's recipe
 
 
 def _record(item_id, start, freq, history, quantiles, mean, levels, target=None) -> dict[str, Any]:

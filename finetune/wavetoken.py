@@ -346,14 +346,23 @@ def build_recipe(cfg: Config, model, task: TaskData):
 # --------------------------------------------------------------------------- protocols
 
 
-def zero_shot(ctx: ArmContext) -> dict[str, Any]:
-    """Test scores of the arm's model before adaptation (with ``adapt.mode: none`` they are the
-    arm's test scores already)."""
-    if ctx.mode == "none" or ctx.task.test is None:
-        return {}
-    trainer = Trainer(dataclasses.replace(ctx.cfg.train, progress=False), run_dir=None)
-    scores = trainer.evaluate(build_recipe(ctx.cfg, ctx.model, ctx.task), ctx.task.test, model=ctx.model)
-    return {"zero_shot": {"test": {k: scores[k] for k in ("mase_rel", "wql_rel")}}}
+def zero_shot_protocol(recipe_for):
+    """The protocol that scores the arm's model on the test windows before adaptation, through
+    ``recipe_for(cfg, model, task)`` (a forecasting family's recipe builder)."""
+
+    def zero_shot(ctx: ArmContext) -> dict[str, Any]:
+        """Test scores of the arm's model before adaptation (with ``adapt.mode: none`` they are the
+        arm's test scores already)."""
+        if ctx.mode == "none" or ctx.task.test is None:
+            return {}
+        trainer = Trainer(dataclasses.replace(ctx.cfg.train, progress=False), run_dir=None)
+        scores = trainer.evaluate(recipe_for(ctx.cfg, ctx.model, ctx.task), ctx.task.test, model=ctx.model)
+        return {"zero_shot": {"test": {k: scores[k] for k in ("mase_rel", "wql_rel")}}}
+
+    return zero_shot
+
+
+zero_shot = zero_shot_protocol(build_recipe)
 
 
 def _window_record(w: dict[str, Any], quantiles: np.ndarray, mean: np.ndarray, levels) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from domainfm import streaming
+from domainfm.distributed import global_batch_mean
 from domainfm.data_loaders import eeg
 from domainfm.engine import Recipe, SampleSeeds, TrainConfig, Trainer
 from domainfm.errors import InputError
@@ -213,12 +214,6 @@ def masked_reconstruction_error(backbone: nn.Module, proj_out: nn.Module, x: tor
     return total / count
 
 
-def _process_group_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 class MaskedReconstructionRecipe(Recipe):
     """MSE between reconstructed and original patches, on masked patches only; batches are
     ``(x, mask)`` from :class:`MaskedWindows`."""
@@ -239,20 +234,9 @@ class MaskedReconstructionRecipe(Recipe):
         return error.flatten(1).sum(dim=1), mask.flatten(1).sum(dim=1) * patches.shape[-1]
 
     def _loss(self, model, x, mask) -> torch.Tensor:
+        # the mean over the global batch's masked values, whatever share each rank's windows hold
         squared, counts = self._squared_errors(model, x, mask)
-        count = counts.sum().double()
-        world = _process_group_size()
-        if world > 1:
-            # the mean over the global batch's masked values: each rank divides its sum by the
-            # count over all ranks (an exact integer sum), times the world size that DDP's
-            # gradient averaging divides by. Per-rank means would weigh a rank's masked values
-            # by how many its windows happen to have.
-            import torch.distributed as dist
-
-            count = count.clone()
-            dist.all_reduce(count)
-            count = count / world
-        return squared.sum() / count.to(squared.dtype)
+        return global_batch_mean(squared.sum(), counts.sum().double())
 
     def step(self, model, batch):
         x, mask = batch

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from domainfm import streaming
+from domainfm.distributed import all_reduce_sum, process_group_size
 from domainfm.data_loaders import spatial
 from domainfm.engine import Recipe, SampleSeeds, TrainConfig, Trainer
 from domainfm.experiment import ModelSection, init_label, resolve
@@ -311,11 +312,6 @@ def pretraining_losses(model, items: Sequence[dict[str, torch.Tensor]]) -> tuple
     return mcm, s["pair_sum"].sum() / s["pair_count"].sum().clamp(min=1)
 
 
-def _world() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 class SToFMPretrainRecipe(Recipe):
     def __init__(self, model, train_dataset, val_dataset=None, *, pair_loss_weight=1.0):
         self.model, self.train_dataset, self.val_dataset = model, train_dataset, val_dataset
@@ -325,10 +321,7 @@ class SToFMPretrainRecipe(Recipe):
     def step(self, model, batch):
         s = pretraining_sums(model, batch)
         local = torch.stack([s["mcm_sum"].sum(), s["mcm_count"].sum(), s["pair_sum"].sum(), s["pair_count"].sum()])
-        totals = local.detach().double()
-        world = _world()
-        if world > 1:
-            torch.distributed.all_reduce(totals)
+        totals, world = all_reduce_sum(local), process_group_size()
         # each rank's share of the global batch's means: the gradients DDP averages over ranks,
         # and the loss the engine averages for the log, are those of one process with the whole batch
         lm_loss = local[0] * world / totals[1].clamp(min=1).float()

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from domainfm import streaming
+from domainfm.distributed import global_batch_mean
 from domainfm.data_loaders.synthetic_series import (
     KERNEL_BANK,
     KERNEL_LENGTH,
@@ -118,14 +119,9 @@ class ForecastRecipe(Recipe):
 
     def step(self, model, batch):
         summed, correct, total = self._token_losses(model, batch)
-        world = _world_size()
-        if world > 1:
-            # every rank calls step once per micro-batch, so this collective is matched
-            tokens = total.detach().to(torch.float64)
-            torch.distributed.all_reduce(tokens)
-            loss = summed * (world / tokens.clamp(min=1)).to(summed.dtype)
-        else:
-            loss = summed / total.clamp(min=1)
+        # the mean over the global batch's tokens (every rank calls step once per micro-batch, so
+        # the collective inside is matched)
+        loss = global_batch_mean(summed, total)
         return loss, {"loss": loss.detach(), "token_accuracy": (correct / total.clamp(min=1)).detach()}
 
     def eval_step(self, model, batch):
@@ -137,11 +133,6 @@ class ForecastRecipe(Recipe):
     def metrics(self, outputs):
         return {"loss": float(outputs["loss"].mean()),
                 "token_accuracy": float(outputs["correct"].sum() / outputs["total"].sum().clamp(min=1))}
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # --------------------------------------------------------------------------- training windows

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from domainfm import streaming
+from domainfm.distributed import process_group_size
 from domainfm.data_loaders import wearables as W
 from domainfm.engine import Recipe, SampleSeeds, TrainConfig, Trainer
 from domainfm.experiment import ModelSection, init_label, resolve
@@ -329,10 +330,11 @@ def _gather_global_batch(x: torch.Tensor) -> torch.Tensor:
     gradient is exactly the one-process gradient."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    world = process_group_size()
+    if world == 1:
         return x
     if not x.requires_grad:
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts)
     import warnings

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .chronos_bolt import _ACTIVATIONS, ResidualBlock, _check_levels, instance_norm, patchify
+from .chronos_bolt import _ACTIVATIONS, ResidualBlock, _check_levels, _example, instance_norm, patchify
 from .forecast import DEFAULT_QUANTILES
 from .t5 import Attention, RMSNorm
 
@@ -938,17 +938,6 @@ def _source(repo: str, size: str) -> WeightSource:
               + "; overlaps with public benchmarks not confirmed (the Chronos corpora hold Chronos's Benchmark I "
                 "training splits; GiftEvalPretrain is built to exclude GIFT-Eval's test data)"),
         pretraining_data=_DATA)
-
-
-def _example(context_length: int):
-    def make():
-        g = torch.Generator().manual_seed(0)
-        context = torch.randn(2, min(40, context_length), generator=g)
-        context[1, :7] = float("nan")  # left padding
-        context[0, 12] = float("nan")  # a gap
-        return (context,)
-
-    return make
 
 
 def _build(**kwargs) -> Chronos2:

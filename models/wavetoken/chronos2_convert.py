@@ -138,15 +138,10 @@ def load_chronos2(source: str | os.PathLike, *, name: str = "chronos-2", sha256:
     ``model.safetensors``) or from ``"hf://org/repo"``; built with the sizes of its ``config.json``."""
     from domainfm import hub, zoo
 
-    text = str(source)
-    if text.startswith("hf://"):
-        repo = text[len("hf://"):].strip("/")
-        if repo.count("/") != 1:
-            raise ValueError(f"{source!r}: expected hf://org/repo (a whole repository)")
-        registered = next((w for n in zoo.list_models("chronos-2*") for w in zoo.get_card(n).weights
-                           if w.url == f"hf://{repo}"), None)
-        directory = hub.loading.fetch_hf_repo(f"hf://{repo}", card=zoo.get_card(name), sha256=sha256,
-                                              revision=getattr(registered, "revision", None))
+    from .chronos_bolt_convert import fetch_registered_repo
+
+    if str(source).startswith("hf://"):
+        directory = fetch_registered_repo(str(source), pattern="chronos-2*", card=zoo.get_card(name), sha256=sha256)
     else:
         directory = Path(source)
         if not (directory / "config.json").is_file():

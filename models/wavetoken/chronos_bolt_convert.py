@@ -22,7 +22,7 @@ import torch
 
 from .convert import check_t5_architecture, convert_hf_t5
 
-__all__ = ["convert_chronos_bolt", "apply_chronos_bolt_config", "load_chronos_bolt", "bolt_key"]
+__all__ = ["convert_chronos_bolt", "apply_chronos_bolt_config", "load_chronos_bolt", "fetch_registered_repo", "bolt_key"]
 
 _BLOCKS = {"input_patch_embedding": "patch_embed", "output_patch_embedding": "quantile_head"}
 _LAYERS = {"hidden_layer": "hidden", "output_layer": "output", "residual_layer": "residual"}
@@ -107,6 +107,20 @@ def _variant_for(config: Mapping[str, Any]) -> str:
     )
 
 
+def fetch_registered_repo(source: str, *, pattern: str, card=None, sha256: Mapping[str, str] | None = None) -> Path:
+    """``hf://org/repo`` fetched whole into the cache, at the revision pinned by the weight source
+    with that URL among the registered ``pattern`` variants (``main`` when none is)."""
+    from domainfm import hub, zoo
+
+    repo = source[len("hf://"):].strip("/")
+    if repo.count("/") != 1:
+        raise ValueError(f"{source!r}: expected hf://org/repo (a whole repository)")
+    registered = next((w for n in zoo.list_models(pattern) for w in zoo.get_card(n).weights
+                       if w.url == f"hf://{repo}"), None)
+    return Path(hub.loading.fetch_hf_repo(f"hf://{repo}", card=card, sha256=sha256,
+                                          revision=getattr(registered, "revision", None)))
+
+
 def load_chronos_bolt(source: str | os.PathLike, *, name: str | None = None,
                       sha256: Mapping[str, str] | None = None, **kwargs):
     """A Chronos-Bolt model from a folder laid out as its Hugging Face repository, or from
@@ -117,17 +131,9 @@ def load_chronos_bolt(source: str | os.PathLike, *, name: str | None = None,
     """
     from domainfm import hub, zoo
 
-    text = str(source)
-    if text.startswith("hf://"):
-        repo = text[len("hf://"):].strip("/")
-        if repo.count("/") != 1:
-            raise ValueError(f"{source!r}: expected hf://org/repo (a whole repository)")
-        # the card whose weight source is this repository pins its revision
-        source = next((w for n in zoo.list_models("chronos-bolt-*") for w in zoo.get_card(n).weights
-                       if w.url == f"hf://{repo}"), None)
-        card = zoo.get_card(name) if name else None
-        directory = hub.loading.fetch_hf_repo(f"hf://{repo}", card=card, sha256=sha256,
-                                      revision=getattr(source, "revision", None))
+    if str(source).startswith("hf://"):
+        directory = fetch_registered_repo(str(source), pattern="chronos-bolt-*",
+                                          card=zoo.get_card(name) if name else None, sha256=sha256)
     else:
         directory = Path(source)
         if not directory.is_dir():

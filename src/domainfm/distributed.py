@@ -1,5 +1,7 @@
 """Which process of a multi-process launch this is, read from the launcher's environment before
-any process group exists, so the CLI can decide who owns the run folder.
+any process group exists, so the CLI can decide who owns the run folder; and the few collectives
+the pretraining objectives share (the process group's size, sums and means over the global batch;
+torch is imported only by those).
 
 Launchers and what they set:
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["launch_rank", "launched_world_size", "RUN_DIR_ENV"]
+__all__ = ["launch_rank", "RUN_DIR_ENV", "process_group_size", "all_reduce_sum", "global_batch_mean"]
 
 #: set by the rank that opened the run folder, read by the ranks it launches
 RUN_DIR_ENV = "DOMAINFM_RUN_DIR"
@@ -46,10 +48,35 @@ def launch_rank() -> int:
     return 0
 
 
-def launched_world_size() -> int:
-    """How many processes the launcher started (1 when nothing says otherwise)."""
-    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
-        value = _int(name)
-        if value:
-            return value
-    return 1
+def process_group_size() -> int:
+    """Ranks in the initialised process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_sum(x):
+    """``x`` summed over the ranks, as a detached float64 copy (``x`` itself untouched; one
+    process: the copy). Counts of masked values or tokens are exact in float64."""
+    import torch
+
+    total = x.detach().to(dtype=torch.float64).clone()
+    if process_group_size() > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(total)
+    return total
+
+
+def global_batch_mean(summed, count):
+    """This rank's share of the mean over the global batch: ``summed · world / Σ_ranks count``.
+
+    A loss whose terms (masked values, tokens) fall unevenly on the ranks: each rank's own mean
+    would weigh its terms by how many it happens to hold. With this, DDP's averaging of the
+    gradients over ranks gives exactly the gradient of one process holding the whole batch, and
+    the mean the engine logs over ranks is that process's loss. One process: ``summed / count``
+    (``count`` at least 1)."""
+    world = process_group_size()
+    if world == 1:
+        return summed / count.clamp(min=1).to(summed.dtype)
+    return summed * (world / all_reduce_sum(count).clamp(min=1)).to(summed.dtype)

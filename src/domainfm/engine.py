@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -302,8 +303,6 @@ class SampleSeeds:
         self.epoch = int(epoch)
 
     def value(self, index: int) -> int:
-        import hashlib
-
         digest = hashlib.blake2b(f"{self.seed}:{self.epoch}:{int(index)}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
@@ -356,15 +355,14 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def _indices(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
         if self.shuffle and self.blocks is not None:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
             blocks = [self.blocks[i] for i in torch.randperm(len(self.blocks), generator=g).tolist()]
             order = []
             for w in range(0, len(blocks), self.window):
                 members = torch.cat([torch.arange(a, b) for a, b in blocks[w:w + self.window]])
                 order += members[torch.randperm(len(members), generator=g)].tolist()
         elif self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.length, generator=g).tolist()
         else:
             order = list(range(self.length))
