@@ -58,7 +58,7 @@ from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Fami
 from domainfm.experiment import apply
 from domainfm.experiment.forecast_metrics import forecast_scores
 from domainfm.experiment.pictures import fan_chart, fan_figure
-from domainfm.finetune.wavetoken import zero_shot_protocol
+from domainfm.finetune.wavetoken import _with_median, zero_shot_protocol
 from domainfm.lora.settings import LoraSettings
 
 __all__ = ["Config", "DataSection", "EvalSection", "RetainedSection", "FAMILY", "Chronos2Recipe", "SeriesTable",
@@ -273,11 +273,6 @@ def build_task(cfg: Config) -> TaskData:
 
 
 # --------------------------------------------------------------------------- recipe
-
-
-def _with_median(levels) -> list[float]:
-    levels = [float(q) for q in levels]
-    return levels if any(abs(q - 0.5) < 1e-9 for q in levels) else sorted(set(levels) | {0.5})
 
 
 def _grouped(batch, n_targets: int):
