@@ -10,12 +10,16 @@ adapt.mode=none``), beside the family's baselines:
   ODEBench grid (fraction of trajectories with R^2 > 0.9, vs the same baselines);
 * ``wavetoken``: zero-shot forecasts of the 14 shipped statsmodels series (held out of domainfm's
   pretraining), MASE and WQL relative to seasonal naive, geometric mean over the 6 datasets
-  (Chronos's aggregate).
+  (Chronos's aggregate);
+* ``git``: the embedded default's task on held-out MUTAG (never pretrained on): 2-way 3-shot
+  in-context accuracy and ROC-AUC, and full fine-tuning (3 seeds; val ROC-AUC is the selection
+  metric), against random init (``--baseline``: one extra run of the random arm).
 
 Usage::
 
     python benchmarks/checkpoint_curve.py fim fim-imputation-small SNAP1.ckpt SNAP2.ckpt RUN/model --odebench
     python benchmarks/checkpoint_curve.py wavetoken wavetoken-micro SNAP*.ckpt
+    python benchmarks/checkpoint_curve.py git git-small SNAP*.ckpt RUN/encoder --baseline
 
 Each row: the optimizer step, series seen (step x batch), the held-out figures. Prints the CPU.
 """
@@ -53,7 +57,11 @@ def model_folder(source: Path, name: str, out: Path) -> tuple[Path, int | None]:
         return source, None
     state = torch.load(source, map_location="cpu", weights_only=True)
     model = domainfm.create_model(name)
-    model.load_state_dict(state["model"])
+    weights = state["model"]
+    if not set(model.state_dict()) <= set(weights):
+        # a pretrainer that wraps the model (GIT: encoder + predictor + decoders): its encoder's weights
+        weights = {k.removeprefix("encoder."): v for k, v in weights.items() if k.startswith("encoder.")}
+    model.load_state_dict(weights)
     folder = domainfm.save_pretrained(model, out / source.stem, card=False)
     return folder, int(state["trainer"]["global_step"]) if "global_step" in state.get("trainer", {}) else None
 
@@ -85,17 +93,36 @@ def wavetoken_row(report: dict) -> dict:
     return {"MASE / seasonal naive": f"{test['mase_rel']:.3f}", "WQL / seasonal naive": f"{test['wql_rel']:.3f}"}
 
 
+def git_row(report: dict, arm: str = "pretrained") -> dict:
+    a, sd = report["arms"][arm], report["arms"][arm].get
+    out = {"in-context accuracy / ROC-AUC (MUTAG, 2-way 3-shot)":
+           f"{a['in_context']['accuracy']:.3f} / {a['in_context']['roc_auc']:.3f}"}
+    for split in ("val", "test"):
+        spread = (sd(f"{split}_std") or {}).get("roc_auc")
+        out[f"fine-tuned {split} ROC-AUC / accuracy"] = (
+            f"{a[split]['roc_auc']:.3f}" + (f" ± {spread:.3f}" if spread is not None else "")
+            + f" / {a[split]['accuracy']:.3f}")
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("family", choices=["fim", "wavetoken"])
+    parser.add_argument("family", choices=["fim", "wavetoken", "git"])
     parser.add_argument("model", help="the registered variant the checkpoints were trained as")
     parser.add_argument("checkpoints", nargs="+", type=Path)
     parser.add_argument("--batch-size", type=int, default=None, help="series per step (to print series seen)")
     parser.add_argument("--odebench", action="store_true", help="fim: also the ODEBench grid (about a CPU-minute each)")
+    parser.add_argument("--baseline", action="store_true", help="git: also the random-init arm once")
     args = parser.parse_args(argv)
     print(f"CPU: {cpu_description()}; torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        if args.family == "git" and args.baseline:
+            base = run_zero_shot("git", Path("random"), args.model, tmp / "runs", ["adapt.mode=full", "arms=[random]",
+                                                                               "model.pretrained=null"])
+            print("\nrandom init:")
+            for key, value in git_row(base, "random").items():
+                print(f"  {key:<40} {value}")
         for source in args.checkpoints:
             folder, step = model_folder(source, args.model, tmp / "models")
             rows = {}
@@ -103,6 +130,8 @@ def main(argv=None) -> int:
                 rows.update(fim_row(run_zero_shot("fim", folder, args.model, tmp / "runs", [])))
                 if args.odebench:
                     rows.update(fim_row(run_zero_shot("fim", folder, args.model, tmp / "runs", ["data.kind=odebench"])))
+            elif args.family == "git":  # the default's own protocol: fine-tuning, not zero-shot
+                rows.update(git_row(run_zero_shot("git", folder, args.model, tmp / "runs", ["adapt.mode=full"])))
             else:
                 rows.update(wavetoken_row(run_zero_shot("wavetoken", folder, args.model, tmp / "runs", [])))
             seen = f", {step * args.batch_size} series seen" if step is not None and args.batch_size else ""

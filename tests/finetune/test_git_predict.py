@@ -216,9 +216,11 @@ def test_report_carries_retained_before_and_per_arm_retained(runs):
     report = json.loads((runs["karate"] / "report.json").read_text())
     assert report["retained_capability"]["metric"] == "accuracy"
     before = report["retained_before"]
-    graphs = {"nations", "mutag", "kinships"}  # Cuneiform cannot host 5-way 3-query episodes: skipped, by name
+    # Cuneiform cannot host 5-way 3-query episodes, NCI (unlabelled) none at all: skipped, by name
+    graphs = {"nations", "mutag", "kinships", "solubility"}
     assert set(before) >= graphs | {"accuracy"} and "karate" not in before  # not the tuned graph
-    assert "cuneiform" not in before and "cuneiform" in before["skipped"]
+    for skipped in ("cuneiform", "nci"):
+        assert skipped not in before and skipped in before["skipped"]
     assert before["accuracy"] == pytest.approx(sum(before[g]["accuracy"] for g in graphs) / len(graphs))
     trained, frozen = report["arms"]["random"], report["arms"]["random:none"]
     # recomputed apart from the run: the arm without adaptation saved its initial weights, which every arm
@@ -228,7 +230,7 @@ def test_report_carries_retained_before_and_per_arm_retained(runs):
         again = in_context(init, FG.load_task_dataset(FG.DataSection(dataset=g)), n_way=5, k_shot=3, n_query=3,
                            n_episodes=5, seed=0)
         assert before[g]["accuracy"] == pytest.approx(again["accuracy"], abs=1e-6), g
-        assert before[g]["n_way"] == again["n_way"] == (2 if g == "mutag" else 5)
+        assert before[g]["n_way"] == again["n_way"] == {"mutag": 2, "solubility": 3}.get(g, 5)
     assert frozen["retained_before"] == trained["retained_before"]  # each arm measured its own: same init
     assert frozen["retained"] == frozen["retained_before"]  # no adaptation, nothing forgotten
     assert math.isfinite(trained["retained"]["accuracy"]) and trained["retained"] != before
