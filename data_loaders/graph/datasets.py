@@ -377,9 +377,9 @@ NCI_CLASS_TEXTS = ["A chemical compound from the NCI Developmental Therapeutics 
 
 
 def load_nci(encoder: TextEncoder | None = None, *, seed: int = 0, root: str | os.PathLike | None = None) -> GraphDataset:
-    """4,776 unlabelled compounds of the NCI open database (the first 5,000 NSC numbers, as bundled
+    """4,556 unlabelled compounds of the NCI open database (the first 5,000 NSC numbers, as bundled
     in RDKit's ``Data/NCI/first_5K.smi``), largest fragment, in MUTAG's atom/bond text space, with
-    compounds of other elements and those isomorphic to a MUTAG graph removed (see
+    compounds of other elements and those isomorphic to a MUTAG or Solubility graph removed (see
     ``samples/graph/convert_molecules.py``). Shipped for label-free pretraining: every graph has the
     one placeholder class, so it hosts no graph-classification episodes."""
     encoder = encoder or text_encoder("minilm")

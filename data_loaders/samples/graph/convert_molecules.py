@@ -8,7 +8,8 @@
 
 Reads the molecules with RDKit (sanitised, so aromatic bonds are
 perceived as in MUTAG; hydrogens implicit as in MUTAG), drops every molecule whose labelled graph
-is isomorphic to a MUTAG graph (MUTAG is GIT's held-out evaluation set), and writes the TUDataset
+is isomorphic to a graph of a held-out evaluation set (`HELD_OUT`: MUTAG, and for NCI also
+Solubility, GIT's held-out fine-tuning task), and writes the TUDataset
 text format that `domainfm.data_loaders.graph.load_tu_dataset` reads: both directions of each
 bond, 1-based ids, atom labels indexing `SOLUBILITY_ATOMS`, bond labels indexing `MUTAG_BONDS`,
 graph label 0/1/2 for the SDF's `SOL_classification` (A) low / (B) medium / (C) high (Huuskonen's
@@ -38,12 +39,12 @@ def labelled_graph(atoms, bonds):
     return g
 
 
-def mutag_graphs():
-    """MUTAG's 188 graphs with element symbols and bond kinds, read from its TUDataset files."""
-    root = HERE / "MUTAG"
-    read = lambda name: [line.strip() for line in (root / f"MUTAG_{name}.txt").read_text().split("\n") if line.strip()]
+def tu_graphs(name, atom_symbols):
+    """The graphs of a shipped TUDataset folder with element symbols and bond kinds."""
+    root = HERE / name
+    read = lambda part: [line.strip() for line in (root / f"{name}_{part}.txt").read_text().split("\n") if line.strip()]
     indicator = [int(v) - 1 for v in read("graph_indicator")]
-    atoms = [MUTAG_ATOMS[int(v)][1] for v in read("node_labels")]
+    atoms = [atom_symbols[int(v)] for v in read("node_labels")]
     graphs = [nx.Graph() for _ in range(max(indicator) + 1)]
     for n, (g, a) in enumerate(zip(indicator, atoms)):
         graphs[g].add_node(n, a=a)
@@ -51,6 +52,11 @@ def mutag_graphs():
         u, v = (int(t) - 1 for t in pair.split(","))
         graphs[indicator[u]].add_edge(u, v, b=MUTAG_BONDS[int(b)])
     return graphs
+
+
+# the evaluation sets each output must not contain: MUTAG for both; Solubility (GIT's held-out
+# fine-tuning task) for the NCI pretraining set
+HELD_OUT = {"Solubility": ["MUTAG"], "NCI": ["MUTAG", "Solubility"]}
 
 
 def molecules(paths):
@@ -71,8 +77,10 @@ def molecules(paths):
 
 def main(name, paths):
     hashes = {}
-    for g in mutag_graphs():
-        hashes.setdefault(nx.weisfeiler_lehman_graph_hash(g, node_attr="a", edge_attr="b"), []).append(g)
+    for held_out in HELD_OUT[name]:
+        symbols = [symbol for _, symbol in (MUTAG_ATOMS if held_out == "MUTAG" else SOLUBILITY_ATOMS)]
+        for g in tu_graphs(held_out, symbols):
+            hashes.setdefault(nx.weisfeiler_lehman_graph_hash(g, node_attr="a", edge_attr="b"), []).append(g)
 
     rows, indicator, node_labels, edge_labels, graph_labels, dropped = [], [], [], [], [], []
     offset, skipped = 0, 0
@@ -108,7 +116,7 @@ def main(name, paths):
     write("node_labels", map(str, node_labels))
     write("edge_labels", map(str, edge_labels))
     print(f"{name}: {len(graph_labels)} molecules, {offset} atoms, {len(rows)} directed bonds; skipped (unparsable "
-          f"or other elements): {skipped}; dropped as isomorphic to a MUTAG graph ({len(dropped)}): {dropped}")
+          f"or other elements): {skipped}; dropped as isomorphic to a graph of {'/'.join(HELD_OUT[name])} ({len(dropped)}): {dropped}")
 
 
 if __name__ == "__main__":
