@@ -98,7 +98,13 @@ def _run_family(kind: str, args) -> int:
     config_file = _config_file(args.family, kind, args.config)
     if getattr(args, "precision", None) is not None:
         args.overrides = list(args.overrides) + [f"train.precision={args.precision}"]
-    raw = cfgmod.apply_overrides(cfgmod.load_yaml(config_file), args.overrides)
+    overrides = list(args.overrides)
+    named = [o for o in overrides if o.split("=", 1)[0].strip() in ("model.name", "model.pretrained")]
+    if named and not any(o.split("=", 1)[0].strip() == "model.prefer" for o in overrides):
+        overrides.append("model.prefer=null")  # a model or weights named on the command line are used as named
+    raw = cfgmod.apply_overrides(cfgmod.load_yaml(config_file), overrides)
+    if raw.get("model", {}).get("prefer") is None:
+        raw.get("model", {}).pop("prefer", None)  # configs of commands without the key stay valid
     cfg = cfgmod.from_dict(module.Config, raw)
     resume = bool(getattr(getattr(cfg, "train", None), "resume", False))
     if distributed.launch_rank() != 0:

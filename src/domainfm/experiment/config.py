@@ -23,17 +23,24 @@ class ModelSection:
     """``name``: a registered variant; ``pretrained``: ``true`` (the card's source), a path / URL /
     ``hf://`` source, or null (random init, or the output of ``stages`` when there are any);
     ``fallback``: ``error`` or ``random`` when the card's weights cannot be had offline;
-    ``converter``: force one of the card's converters; ``kwargs``: variant overrides."""
+    ``converter``: force one of the card's converters; ``kwargs``: variant overrides;
+    ``prefer``: a variant with official weights to use instead of ``name`` whenever its card's
+    weights are in the cache or reachable (with ``pretrained: true``); otherwise the run says so and
+    uses ``name`` (e.g. domainfm's shipped checkpoint). Every arm uses the chosen variant."""
 
     name: str = ""
     pretrained: bool | str | None = None
     fallback: str = "error"
     converter: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    prefer: str | None = None
 
     def __post_init__(self):
         if self.fallback not in FALLBACKS:
             raise ValueError(f"model.fallback={self.fallback!r}: expected one of {FALLBACKS}")
+        if self.prefer is not None and self.pretrained is not True:
+            raise ValueError(f"model.prefer={self.prefer!r} needs model.pretrained: true (the preferred card's weights), "
+                             f"got {self.pretrained!r}")
 
     def spec(self, pretrained: bool | str | None, **kwargs: Any) -> ModelSpec:
         return ModelSpec(self.name, pretrained, self.fallback, {**self.kwargs, **kwargs}, self.converter)

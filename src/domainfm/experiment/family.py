@@ -120,6 +120,12 @@ class Family(RobustArms, ArmRunner):
         retained capability only; nothing saved) and ``report["wise_curve"][A]``."""
         start = time.perf_counter()
         folder = RunFolder(run_dir)
+        choice = None
+        if cfg.model.prefer:  # official weights first; the data may depend on the variant, so before it
+            from domainfm.experiment.weights import prefer_official
+
+            cfg.model.name, choice = prefer_official(cfg.model.prefer, cfg.model.name, converter=cfg.model.converter)
+            cfg.model.prefer = None
         stage_reports = []
         for i, stage in enumerate(cfg.stages):
             stage_reports.append(run_stage(stage, folder.stage_dir(i, stage.family), seed=cfg.train.seed,
@@ -132,6 +138,8 @@ class Family(RobustArms, ArmRunner):
             "adapt": {"mode": adapt.mode, "seeds": list(adapt.seeds)},
             "monitor": self.monitor(cfg, task)[0],
         }
+        if choice is not None:
+            report["model_choice"] = choice
         if adapt.robust:
             report["adapt"].update(sample_weighting=adapt.sample_weighting, interpolation=adapt.interpolation)
             if adapt.sample_weighting == "flow":

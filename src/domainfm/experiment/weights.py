@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ModelSpec", "InitInfo", "resolve", "init_label", "WeightsUnavailable", "FALLBACKS"]
+__all__ = ["ModelSpec", "InitInfo", "resolve", "init_label", "WeightsUnavailable", "FALLBACKS", "prefer_official"]
 
 FALLBACKS = ("error", "random")
 
@@ -121,3 +121,24 @@ def init_label(pretrained: bool | str | None, info: InitInfo) -> str:
         return "random"
     return f"pretrained: {pretrained}" if info.kind == "pretrained" else str(info)
 
+
+
+def prefer_official(preferred: str, name: str, *, converter: str | None = None, log=None) -> tuple[str, str]:
+    """Which variant a run uses: ``preferred`` (a variant with official weights) when its card's
+    weights load (from the cache, or downloaded and verified), else ``name`` (e.g. domainfm's own
+    shipped checkpoint). Returns ``(variant, what was chosen and why)``; only an unreachable source
+    (offline and not cached, no network) falls back, any other failure stops the run."""
+    from domainfm import hub
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        hub.create_model(preferred, pretrained=True, converter=converter)
+    except Exception as exc:  # noqa: BLE001 - only "unreachable" falls back
+        if not _unreachable(exc):
+            raise
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        log(f"[domainfm] official weights of {preferred} unavailable ({reason}); using {name} instead "
+            "(both arms use its architecture)")
+        return name, f"{name} (fallback: the official weights of {preferred} are unavailable: {reason})"
+    log(f"[domainfm] using the official weights of {preferred} (model.prefer) instead of {name}")
+    return preferred, f"{preferred} (official weights, model.prefer; the fallback would have been {name})"
