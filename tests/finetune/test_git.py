@@ -72,7 +72,9 @@ STAGE = "stages=[{family: git, config: pretrain, overrides: [model.name=git-test
 
 
 def _cli(tmp_path, *overrides, name="ft"):
-    rc = main(["finetune", "git", "model.name=git-test", STAGE, "train.max_epochs=2", "train.batch_size=8",
+    # model.pretrained=null: the pretrained arm starts from the stage's output (the default config names
+    # the shipped checkpoint instead)
+    rc = main(["finetune", "git", "model.name=git-test", "model.pretrained=null", STAGE, "train.max_epochs=2", "train.batch_size=8",
                "adapt.seeds=[0]", *overrides, "--runs-dir", str(tmp_path), "--name", name])
     assert rc == 0
     run = tmp_path / "git" / name
@@ -199,7 +201,7 @@ def test_resuming_a_finished_experiment_reuses_its_stage(tmp_path):
                        "train.max_epochs=1", name="res")
     stage_log = (run / "stages" / "0-git" / "metrics.jsonl").read_bytes()
     # without resume the used name is refused; with it, the finished stage is reused, not trained again
-    assert main(["finetune", "git", "model.name=git-test", STAGE, "train.max_epochs=1", "train.batch_size=8",
+    assert main(["finetune", "git", "model.name=git-test", "model.pretrained=null", STAGE, "train.max_epochs=1", "train.batch_size=8",
                  "adapt.seeds=[0]", "data.dataset=karate", "train.monitor=val/accuracy", "protocols.in_context=false", "arms=[pretrained]",
                  "--runs-dir", str(tmp_path), "--name", "res"]) == 2
     _, again = _cli(tmp_path, "data.dataset=karate", "train.monitor=val/accuracy", "protocols.in_context=false", "arms=[pretrained]",
