@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from domainfm.zoo import register_model
+from domainfm.zoo import WeightSource, register_model
 
 from .convert import convert_official_state_dict
 from .git import GIT, SAGELayer
@@ -12,7 +12,8 @@ __all__ = ["GIT", "SAGELayer", "convert_official_state_dict"]
 
 PAPER = "https://arxiv.org/abs/2412.16441"
 # The official repository (github.com/Zehong-Wang/GIT) carries no licence for released weights and
-# releases none: no WeightSource is registered; load a checkpoint by path with pretrained=PATH.
+# releases none: load such a checkpoint by path with pretrained=PATH. The one registered weight
+# source is domainfm's own git-small checkpoint, shipped in the package (see its card).
 _COMMON = dict(family="git", paper=PAPER, license="Apache-2.0", head="head",
                converters={"official": convert_official_state_dict})
 
@@ -48,6 +49,17 @@ def git_base(**kwargs):
     defaults={"in_channels": 384, "hidden_channels": 384, "num_layers": 2, "backbone": "sage", "norm": "batch",
               "dropout": 0.15, "n_outputs": 0},
     example_input=_example_input(384),
+    weights=[WeightSource(
+        "package://domainfm.models.git/weights/git-small.graph-mixture.safetensors",
+        sha256="0000000000000000000000000000000000000000000000000000000000000000", tag="graph-mixture",
+        license="Apache-2.0", card="package://domainfm.models.git/weights/git-small.graph-mixture.md",
+        description="trained by domainfm, not the published weights (none are published): GIT's task-tree "
+                    "pretraining on the shipped graphs (configs/git/pretrain_graph_mixture.yaml); see the card",
+        pretraining_data="the package's shipped graphs, labels unused: Zachary's karate club, the Nations and "
+                         "Kinships knowledge graphs, Cuneiform, and 4,556 NCI open-database compounds (RDKit's "
+                         "first_5K.smi); node, edge and graph task-trees. Not MUTAG or Solubility, and no NCI "
+                         "compound isomorphic to one of their graphs",
+        overlaps=())],
 )
 def git_small(**kwargs):
     """Small GIT for 384-d MiniLM features (the embedded default): SAGE, 384 -> 384, 2 layers."""
