@@ -51,7 +51,7 @@ def git_base(**kwargs):
     example_input=_example_input(384),
     weights=[WeightSource(
         "package://domainfm.models.git/weights/git-small.graph-mixture.safetensors",
-        sha256="0000000000000000000000000000000000000000000000000000000000000000", tag="graph-mixture",
+        sha256="8b138e4157a4b4fa2dedbc8956196044f0abb7961e3138e9e22567e71f8dad0a", tag="graph-mixture",
         license="Apache-2.0", card="package://domainfm.models.git/weights/git-small.graph-mixture.md",
         description="trained by domainfm, not the published weights (none are published): GIT's task-tree "
                     "pretraining on the shipped graphs (configs/git/pretrain_graph_mixture.yaml); see the card",

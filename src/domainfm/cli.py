@@ -143,6 +143,11 @@ def _run_family(kind: str, args) -> int:
             folder.write_config(cfg)
             folder.write_json(folder.meta_file.name, meta)
         folder.write_report(report)
+        if kind == "finetune" and not getattr(cfg, "keep_checkpoints", True):
+            freed = folder.prune_checkpoints()
+            if freed:
+                print(f"[domainfm] finished: kept each arm's selected model, removed {freed / 2**20:.0f} MB of training "
+                      "checkpoints (keep_checkpoints=true keeps them)", file=sys.stderr, flush=True)
     except BaseException:
         if not resume:
             _discard_if_unused(folder)

@@ -136,13 +136,17 @@ class StageSection:
 @dataclass
 class ExperimentConfig:
     """``model``, ``adapt``, ``arms`` (each ``INIT`` or ``INIT:MODE``, INIT in ``pretrained``,
-    ``random``, ``stage_init``), optional ``stages`` and the engine's ``train``."""
+    ``random``, ``stage_init``), optional ``stages`` and the engine's ``train``.
+    ``keep_checkpoints``: keep every arm's and stage's training checkpoints (``last.ckpt``,
+    ``best.safetensors``) once the experiment has finished; by default only the selected models
+    (``<arm>/model``, ``adapter``) stay."""
 
     model: ModelSection = field(default_factory=ModelSection)
     adapt: AdaptSection = field(default_factory=AdaptSection)
     arms: list[str] = field(default_factory=lambda: ["pretrained", "random"])
     stages: list[StageSection] = field(default_factory=list)
     train: TrainConfig = field(default_factory=TrainConfig)
+    keep_checkpoints: bool = False
 
     def __post_init__(self):
         if not self.arms:

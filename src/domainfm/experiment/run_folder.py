@@ -7,6 +7,8 @@
       stages/<i>-<family>/   in-process stages (their own run folders)
       <arm>/             one folder per arm: metrics.jsonl, checkpoints/, model/ (create_model(RUN/<arm>/model)),
                          adapter/ (LoRA, PEFT file pair), seed<k>/ when an arm is repeated over seeds
+                         (a finished experiment keeps model/ and adapter/ only: its checkpoints/ are
+                         removed unless keep_checkpoints: true)
 """
 from __future__ import annotations
 
@@ -229,6 +231,22 @@ class RunFolder:
 
     def write_json(self, name: str, obj: Any) -> Path:
         return atomic_write_json(self.path / name, obj)
+
+    def prune_checkpoints(self) -> int:
+        """After a finished experiment: remove its training checkpoints (``last.ckpt`` for resuming
+        and ``best.safetensors``, in every arm, seed and stage folder below the run's top level);
+        each arm's selected model stays in ``<arm>/model`` (or ``adapter``) and each stage's in its
+        saved model folder. Returns the bytes freed."""
+        freed = 0
+        for folder in sorted(self.path.glob("*/**/checkpoints")):
+            for name in ("last.ckpt", "best.safetensors"):
+                file = folder / name
+                if file.is_file():
+                    freed += file.stat().st_size
+                    file.unlink()
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when nothing else is in it
+        return freed
 
     # -- reads ------------------------------------------------------------------------------
 
