@@ -75,7 +75,7 @@ def test_every_published_weight_source_records_what_it_saw():
     """The registry is the one list: a weight source registered without its pretraining data fails here."""
     sources = {name: card["weights"] for manifest in zoo.manifests().values()
                for name, card in manifest["models"].items() if card["weights"]}
-    assert {"cbramod-base", "fim-imputation-small", "wavetoken-micro", "chronos-t5-tiny", "chronos-bolt-base",
+    assert {"cbramod-base", "fim-imputation-small", "wavetoken-micro", "git-small", "chronos-t5-tiny", "chronos-bolt-base",
             "explora-dinov2-vit-large", "explora-vit-large-mae-fmow-sentinel"} <= set(sources)
     missing = [(name, w["url"]) for name, ws in sources.items() for w in ws if not w["pretraining_data"]]
     assert not missing, f"weight sources without pretraining_data: {missing}"
