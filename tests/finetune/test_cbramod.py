@@ -66,7 +66,8 @@ def test_lora_finetune_through_cli_and_adapter_reload(tmp_path):
     source, weights = _official_file(tmp_path)
     args = ["finetune", "cbramod", *_common(tmp_path), f"model.pretrained={weights}", "adapt.mode=lora",
             "adapt.lora.rank=2", "arms=[pretrained]", "model.kwargs={head_type: avgpooling_patch_reps}",
-            "train.max_steps=4", "train.lr=1e-3", "--runs-dir", str(tmp_path / "runs"), "--name", "lora"]
+            "train.max_steps=4", "train.lr=1e-3", "keep_checkpoints=true", "--runs-dir", str(tmp_path / "runs"),
+            "--name", "lora"]
     assert cli.main(args) == 0
     run = tmp_path / "runs" / "cbramod" / "lora"
     report = _report(run)

@@ -11,6 +11,7 @@ the arm's model (``RUN/<arm>/model``, LoRA merged; the adapter beside it). Seeds
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,18 @@ class Family(RobustArms, ArmRunner):
         for i, stage in enumerate(cfg.stages):
             stage_reports.append(run_stage(stage, folder.stage_dir(i, stage.family), seed=cfg.train.seed,
                                             resume=bool(cfg.train.resume)))
+        if cfg.train.resume and folder.report_file.is_file() and not any(
+                p.relative_to(folder.path).parts[0] != "stages" for p in folder.path.glob("*/**/last.ckpt")):
+            # a finished experiment keeps no arm checkpoints (RunFolder.prune_checkpoints): its stages are
+            # reused, its arms train again from their seeds
+            import shutil
+
+            print("[domainfm] the experiment had finished and kept no arm checkpoints: its arms train again from "
+                  "their seeds", file=sys.stderr, flush=True)
+            for sub in folder.path.iterdir():
+                if sub.is_dir() and sub.name != "stages":
+                    shutil.rmtree(sub)
+            cfg.train = dataclasses.replace(cfg.train, resume=False)
         task = self.data(cfg)
         adapt = cfg.adapt
         report: dict[str, Any] = {
