@@ -99,8 +99,8 @@ def _run_family(kind: str, args) -> int:
     if getattr(args, "precision", None) is not None:
         args.overrides = list(args.overrides) + [f"train.precision={args.precision}"]
     overrides = list(args.overrides)
-    named = [o for o in overrides if o.split("=", 1)[0].strip() in ("model.name", "model.pretrained")]
-    if named and not any(o.split("=", 1)[0].strip() == "model.prefer" for o in overrides):
+    keys = {o.split("=", 1)[0].strip() for o in overrides}
+    if keys & {"model.name", "model.pretrained"} and "model.prefer" not in keys:
         overrides.append("model.prefer=null")  # a model or weights named on the command line are used as named
     raw = cfgmod.apply_overrides(cfgmod.load_yaml(config_file), overrides)
     if raw.get("model", {}).get("prefer") is None:

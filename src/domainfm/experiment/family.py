@@ -125,8 +125,9 @@ class Family(RobustArms, ArmRunner):
         if cfg.model.prefer:  # official weights first; the data may depend on the variant, so before it
             from domainfm.experiment.weights import prefer_official
 
-            cfg.model.name, choice = prefer_official(cfg.model.prefer, cfg.model.name, converter=cfg.model.converter)
-            cfg.model.prefer = None
+            name, choice = prefer_official(cfg.model.prefer, cfg.model.name, converter=cfg.model.converter)
+            # this run's copy: the caller's config (written back to config.yaml on resume) stays as given
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name))
         stage_reports = []
         for i, stage in enumerate(cfg.stages):
             stage_reports.append(run_stage(stage, folder.stage_dir(i, stage.family), seed=cfg.train.seed,
@@ -142,7 +143,7 @@ class Family(RobustArms, ArmRunner):
             for sub in folder.path.iterdir():
                 if sub.is_dir() and sub.name != "stages":
                     shutil.rmtree(sub)
-            cfg.train = dataclasses.replace(cfg.train, resume=False)
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=False))
         task = self.data(cfg)
         adapt = cfg.adapt
         report: dict[str, Any] = {
