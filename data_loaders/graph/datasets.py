@@ -338,13 +338,19 @@ def load_tu_dataset(root: str | os.PathLike, name: str, *, node_texts: Callable[
 
 def load_mutag(encoder: TextEncoder | None = None, *, seed: int = 0, root: str | os.PathLike | None = None) -> GraphDataset:
     """MUTAG (188 nitroaromatic compounds, mutagenic or not; TUDataset files bundled with grakel)."""
-    encoder = encoder or text_encoder("minilm")
+    return _molecules("MUTAG", MUTAG_ATOMS, MUTAG_CLASS_TEXTS, encoder=encoder, seed=seed, root=root,
+                      labels="observed: mutagenicity in Salmonella typhimurium (Debnath et al. 1991); label -1 -> class 0")
+
+
+def _molecules(name: str, atoms: Sequence[tuple[str, str]], class_texts: Sequence[str], *, labels: str,
+               encoder: TextEncoder | None, seed: int, root: str | os.PathLike | None) -> GraphDataset:
+    """A shipped molecular TUDataset folder: atoms (element labels indexing ``atoms``) and bonds
+    (``MUTAG_BONDS``) as OFA-style texts, one text space for every molecular set."""
     return load_tu_dataset(
-        Path(root) if root else samples_dir() / "MUTAG", "MUTAG", encoder=encoder, seed=seed,
-        node_texts=lambda labels: [atom_text(*MUTAG_ATOMS[int(i)]) for i in labels],
-        edge_texts=lambda labels: [bond_text(MUTAG_BONDS[int(i)]) for i in labels],
-        class_texts=MUTAG_CLASS_TEXTS,
-        labels="observed: mutagenicity in Salmonella typhimurium (Debnath et al. 1991); label -1 -> class 0",
+        Path(root) if root else samples_dir() / name, name, encoder=encoder or text_encoder("minilm"), seed=seed,
+        node_texts=lambda ids: [atom_text(*atoms[int(i)]) for i in ids],
+        edge_texts=lambda ids: [bond_text(MUTAG_BONDS[int(i)]) for i in ids],
+        class_texts=class_texts, labels=labels,
     )
 
 
@@ -363,14 +369,9 @@ def load_solubility(encoder: TextEncoder | None = None, *, seed: int = 0,
     SDF files), as molecular graphs in MUTAG's atom/bond text space, with the molecules isomorphic
     to a MUTAG graph removed (see ``samples/graph/convert_molecules.py``). Graph label: the
     SDF's solubility class (low / medium / high, binned from the measured log S)."""
-    encoder = encoder or text_encoder("minilm")
-    return load_tu_dataset(
-        Path(root) if root else samples_dir() / "Solubility", "Solubility", encoder=encoder, seed=seed,
-        node_texts=lambda labels: [atom_text(*SOLUBILITY_ATOMS[int(i)]) for i in labels],
-        edge_texts=lambda labels: [bond_text(MUTAG_BONDS[int(i)]) for i in labels],
-        class_texts=SOLUBILITY_CLASS_TEXTS,
-        labels="observed: aqueous solubility class binned from measured log S (Huuskonen 2000, as in RDKit's data)",
-    )
+    return _molecules("Solubility", SOLUBILITY_ATOMS, SOLUBILITY_CLASS_TEXTS, encoder=encoder, seed=seed, root=root,
+                      labels="observed: aqueous solubility class binned from measured log S (Huuskonen 2000, as in "
+                             "RDKit's data)")
 
 
 NCI_CLASS_TEXTS = ["A chemical compound from the NCI Developmental Therapeutics Program open database."]
@@ -382,14 +383,8 @@ def load_nci(encoder: TextEncoder | None = None, *, seed: int = 0, root: str | o
     compounds of other elements and those isomorphic to a MUTAG or Solubility graph removed (see
     ``samples/graph/convert_molecules.py``). Shipped for label-free pretraining: every graph has the
     one placeholder class, so it hosts no graph-classification episodes."""
-    encoder = encoder or text_encoder("minilm")
-    return load_tu_dataset(
-        Path(root) if root else samples_dir() / "NCI", "NCI", encoder=encoder, seed=seed,
-        node_texts=lambda labels: [atom_text(*SOLUBILITY_ATOMS[int(i)]) for i in labels],
-        edge_texts=lambda labels: [bond_text(MUTAG_BONDS[int(i)]) for i in labels],
-        class_texts=NCI_CLASS_TEXTS,
-        labels="none: unlabelled compounds, one placeholder class (shipped for pretraining)",
-    )
+    return _molecules("NCI", SOLUBILITY_ATOMS, NCI_CLASS_TEXTS, encoder=encoder, seed=seed, root=root,
+                      labels="none: unlabelled compounds, one placeholder class (shipped for pretraining)")
 
 
 CUNEIFORM_VERTICES = ["depth point", "tail vertex", "left vertex", "right vertex"]
