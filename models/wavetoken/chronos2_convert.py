@@ -31,6 +31,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from .chronos_bolt_convert import fetch_registered_repo, upstream_chronos_config
+
 __all__ = ["convert_chronos2", "apply_chronos2_config", "load_chronos2", "chronos2_kwargs", "Task",
            "prepare_inputs", "prepare_dicts", "prepare_data_frame", "batch_tasks", "forecast_frame"]
 
@@ -90,17 +92,8 @@ def convert_chronos2(state_dict: Mapping[str, torch.Tensor], model) -> dict[str,
 
 def chronos2_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     """:class:`.chronos2.Chronos2` keyword arguments from an upstream ``config.json``."""
-    if not isinstance(config, Mapping):
-        raise ValueError(f"upstream config: expected a mapping, got {type(config).__name__}")
-    architectures = config.get("architectures") or []
-    if architectures and "Chronos2Model" not in architectures:
-        raise ValueError(f"config.json architectures={architectures}: not a Chronos-2 checkpoint (expected Chronos2Model)")
-    chronos = config.get("chronos_config")
-    if not isinstance(chronos, Mapping):
-        raise ValueError("config.json has no chronos_config block: not a Chronos-2 checkpoint")
-    for field in ("context_length", "input_patch_size", "input_patch_stride", "output_patch_size", "quantiles"):
-        if field not in chronos:
-            raise ValueError(f"config.json chronos_config has no {field!r}: not a Chronos-2 config")
+    chronos = upstream_chronos_config(config, "Chronos2Model", "Chronos-2", ("context_length", "input_patch_size",
+                                      "input_patch_stride", "output_patch_size", "quantiles"))
     projection = str(config.get("feed_forward_proj", "relu"))
     if projection.startswith("gated-") or config.get("is_gated_act", False):
         raise ValueError(f"config.json feed_forward_proj={projection!r}: gated feed-forward layers are not part of Chronos-2")
@@ -138,7 +131,6 @@ def load_chronos2(source: str | os.PathLike, *, name: str = "chronos-2", sha256:
     ``model.safetensors``) or from ``"hf://org/repo"``; built with the sizes of its ``config.json``."""
     from domainfm import hub, zoo
 
-    from .chronos_bolt_convert import fetch_registered_repo
 
     if str(source).startswith("hf://"):
         directory = fetch_registered_repo(str(source), pattern="chronos-2*", card=zoo.get_card(name), sha256=sha256)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from .convert import check_t5_architecture, convert_hf_t5
 
-__all__ = ["convert_chronos_bolt", "apply_chronos_bolt_config", "load_chronos_bolt", "fetch_registered_repo", "bolt_key"]
+__all__ = ["convert_chronos_bolt", "apply_chronos_bolt_config", "load_chronos_bolt", "fetch_registered_repo", "bolt_key",
+           "upstream_chronos_config"]
 
 _BLOCKS = {"input_patch_embedding": "patch_embed", "output_patch_embedding": "quantile_head"}
 _LAYERS = {"hidden_layer": "hidden", "output_layer": "output", "residual_layer": "residual"}
@@ -54,6 +55,25 @@ def convert_chronos_bolt(state_dict: Mapping[str, torch.Tensor], model) -> dict[
     return convert_hf_t5(renamed, model)
 
 
+def upstream_chronos_config(config: Mapping[str, Any], architecture: str, what: str,
+                            fields: Sequence[str]) -> Mapping[str, Any]:
+    """The ``chronos_config`` block of an upstream Chronos ``config.json`` (a mapping), checked:
+    the listed ``architectures`` include ``architecture``, and the block holds every one of
+    ``fields``; each failure is a ``ValueError`` naming the field and ``what`` was expected."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"upstream config: expected a mapping, got {type(config).__name__}")
+    architectures = config.get("architectures") or []
+    if architectures and architecture not in architectures:
+        raise ValueError(f"config.json architectures={architectures}: not a {what} checkpoint (expected {architecture})")
+    chronos = config.get("chronos_config")
+    if not isinstance(chronos, Mapping):
+        raise ValueError(f"config.json has no chronos_config block: not a {what} checkpoint")
+    for field in fields:
+        if field not in chronos:
+            raise ValueError(f"config.json chronos_config has no {field!r}: not a {what} config")
+    return chronos
+
+
 def apply_chronos_bolt_config(model, config: Mapping[str, Any]) -> None:
     """Check an upstream ``config.json`` against ``model`` and adopt its ``chronos_config``.
 
@@ -65,16 +85,9 @@ def apply_chronos_bolt_config(model, config: Mapping[str, Any]) -> None:
         raise ValueError(f"upstream config: expected a mapping, got {type(config).__name__}")
     if "domainfm" in config:
         return  # our own save format: nothing to adopt
-    architectures = config.get("architectures") or []
-    if architectures and "ChronosBoltModelForForecasting" not in architectures:
-        raise ValueError(f"config.json architectures={architectures}: not a Chronos-Bolt checkpoint "
-                         "(expected ChronosBoltModelForForecasting)")
-    chronos = config.get("chronos_config")
-    if not isinstance(chronos, Mapping):
-        raise ValueError("config.json has no chronos_config block: not a Chronos-Bolt checkpoint")
-    for field in ("context_length", "prediction_length", "input_patch_size", "input_patch_stride", "quantiles"):
-        if field not in chronos:
-            raise ValueError(f"config.json chronos_config has no {field!r}: not a Chronos-Bolt config")
+    chronos = upstream_chronos_config(config, "ChronosBoltModelForForecasting", "Chronos-Bolt",
+                                      ("context_length", "prediction_length", "input_patch_size",
+                                       "input_patch_stride", "quantiles"))
     check_t5_architecture(model, config, variants="chronos-bolt-*", vocab=False)
     if config.get("is_gated_act", False) or str(config.get("feed_forward_proj", "relu")).startswith("gated-"):
         raise ValueError(f"config.json feed_forward_proj={config.get('feed_forward_proj')!r}: gated feed-forward "
