@@ -318,14 +318,23 @@ class TokenForecaster(T5EncoderDecoder):
             context = self.tokenizer_context_history(context)
             pieces = []
             remaining, chunk = h, 0
+            # Every chunk is the trained horizon's token layout, truncated: the wavelet tokenizer lays
+            # a horizon out coarse-to-fine ([approximation | detail] of all of it), so generating
+            # num_label_tokens(h) tokens for a shorter h would decode positions the model learned
+            # as approximation as detail. A tokenizer whose tokens are the steps themselves
+            # (``horizon_layout_is_causal``: Chronos) stops after the tokens it needs; its uniforms
+            # are the first columns of the full chunk's, so both give the same values.
+            full_tokens = self.tokenizer.num_label_tokens(self.prediction_length)
+            causal = self.tokenizer.horizon_layout_is_causal
             while remaining > 0:
                 step = min(remaining, self.prediction_length)
                 ids, mask, state = self.tokenizer.encode_context(context.to(self.shared.weight.device))
-                n_tokens = self.tokenizer.num_label_tokens(step)
-                uniforms = self._uniforms(context, seed, chunk, num_samples, n_tokens)
+                n_tokens = self.tokenizer.num_label_tokens(step) if causal else full_tokens
+                uniforms = self._uniforms(context, seed, chunk, num_samples, full_tokens)[..., :n_tokens]
                 tokens = self.generate(ids, mask, n_tokens, uniforms=uniforms, temperature=temperature,
                                        top_k=top_k, top_p=top_p, use_cache=use_cache)
-                values = self.tokenizer.decode(tokens, state, step).float().cpu()
+                decoded = step if causal else self.prediction_length
+                values = self.tokenizer.decode(tokens, state, decoded).float().cpu()[..., :step]
                 pieces.append(values)
                 remaining -= step
                 chunk += 1
@@ -360,7 +369,13 @@ class TokenForecaster(T5EncoderDecoder):
         batch of (B, T) contexts and (B, H) futures."""
         ctx = self.tokenizer.prepare_context(context) if context.shape[-1] != self.context_length else context
         ids, mask, state = self.tokenizer.encode_context(ctx.float())
-        labels, label_mask = self.tokenizer.encode_labels(future.float(), state)
+        future = future.float()
+        short = self.prediction_length - future.shape[-1]
+        if short > 0 and not self.tokenizer.horizon_layout_is_causal:
+            # a shorter future is the trained horizon with its tail missing: the labels keep the
+            # layout predict() decodes (see predict), the missing tail is ignored by the loss
+            future = torch.cat([future, future.new_full((future.shape[0], short), float("nan"))], dim=-1)
+        labels, label_mask = self.tokenizer.encode_labels(future, state)
         labels = labels.masked_fill(~label_mask, -100)
         device = self.shared.weight.device
         return ids.to(device), mask.to(device), labels.to(device)

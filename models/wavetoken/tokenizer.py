@@ -310,6 +310,11 @@ class SeriesTokenizer:
         """``(B, H)`` future values -> label ids ``(B, num_label_tokens(H) [+1 EOS])`` and mask."""
         raise NotImplementedError
 
+    #: whether label token ``i`` depends only on steps ``<= i`` of the horizon (one token a step),
+    #: so that the tokens of a shorter horizon are a prefix of the longer one's; a wavelet layout
+    #: ([approximation | detail] of the whole horizon) is not
+    horizon_layout_is_causal: bool = False
+
     def num_label_tokens(self, horizon: int) -> int:
         raise NotImplementedError
 
@@ -614,6 +619,8 @@ class MeanScaleUniformBins(SeriesTokenizer):
         if self.use_eos_token:
             ids, mask = self._append_eos(ids, mask)
         return ids, mask, TokenizerState(torch.zeros_like(scale), scale, n_clipped)
+
+    horizon_layout_is_causal = True
 
     def num_label_tokens(self, horizon: int) -> int:
         return int(horizon)

@@ -619,3 +619,42 @@ def test_shared_cross_attention_cache_equals_repeated_cache():
             a = model.decode_step(tokens[:, t : t + 1], plain, bias.repeat_interleave(s, 0))
             b = model.decode_step(tokens[:, t : t + 1], shared, bias)
             torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- horizons and the trained token layout
+
+
+@pytest.mark.parametrize("name", ["wavetoken-test", "chronos-t5-test"])
+def test_any_horizon_decodes_like_the_trained_horizon_truncated(name):
+    # The wavelet tokenizer lays a horizon out coarse-to-fine ([approximation | detail] of the whole
+    # horizon), so the token at position i means something else for another horizon: a model
+    # trained on 64 steps must generate the 64-step layout and keep the first h values. Roll-outs'
+    # last chunk likewise: h=100 is the first 100 values of two full chunks (h=128).
+    torch.manual_seed(0)
+    model = domainfm.create_model(name, prediction_length=64, context_length=64).eval()
+    g = torch.Generator().manual_seed(3)
+    t = torch.arange(90, dtype=torch.float32)
+    context = [torch.sin(t / 4) + 0.1 * torch.randn(90, generator=g), 3 + t / 30 + 0.2 * torch.randn(90, generator=g)]
+    full = model.predict(context, 64, num_samples=4, seed=7)
+    for h in (1, 12, 24, 63, 64):
+        torch.testing.assert_close(model.predict(context, h, num_samples=4, seed=7), full[..., :h], rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        two_chunks = model.predict(context, 128, num_samples=4, seed=7)
+        for h in (65, 100):
+            torch.testing.assert_close(model.predict(context, h, num_samples=4, seed=7), two_chunks[..., :h], rtol=0, atol=0)
+    torch.testing.assert_close(two_chunks[..., :64], full, rtol=0, atol=0)
+
+
+def test_short_future_trains_on_the_trained_layout():
+    # Fine-tuning at h < prediction_length teaches the same token positions the decoder reads:
+    # the labels of a 12-step future are those of the 64-step layout with the missing tail ignored.
+    torch.manual_seed(0)
+    model = domainfm.create_model("wavetoken-test", prediction_length=64, context_length=64)
+    context, future = torch.randn(2, 64), torch.randn(2, 12)
+    padded = torch.cat([future, torch.full((2, 52), float("nan"))], dim=-1)
+    _, _, short = model.training_tokens(context, future)
+    _, _, full = model.training_tokens(context, padded)
+    assert short.shape == full.shape == (2, 65)
+    assert torch.equal(short, full)
+    assert (short[:, :6] != -100).all()  # the approximation of the first 12 steps is learned
