@@ -6,7 +6,8 @@ evaluated zero-shot through the same experiment command a user runs (``domainfm 
 adapt.mode=none``), beside the family's baselines:
 
 * ``fim``: the embedded default's cases (CO2 artificial gaps, Lorenz, Van der Pol, Lotka-Volterra;
-  MAE on hidden entries vs linear and cubic-spline interpolation) and, with ``--odebench``, the
+  MAE on hidden entries vs linear interpolation, a cubic spline held constant beyond the end observations and
+  a Gaussian process (RBF + white noise)) and, with ``--odebench``, the
   ODEBench grid (fraction of trajectories with R^2 > 0.9, vs the same baselines);
 * ``wavetoken``: zero-shot forecasts of the 14 shipped statsmodels series (held out of domainfm's
   pretraining), MASE and WQL relative to seasonal naive, geometric mean over the 6 datasets
@@ -81,11 +82,13 @@ def fim_row(report: dict) -> dict:
     row = {}
     for case, scores in (arm.get("zero_shot") or {}).items():
         if "fim" in scores:
-            row[case] = f"{scores['fim']['mae']:.3g} (lin {scores['linear']['mae']:.3g}, spl {scores['spline']['mae']:.3g})"
+            row[case] = (f"{scores['fim']['mae']:.3g} (lin {scores['linear']['mae']:.3g}, spl {scores['spline']['mae']:.3g}"
+                         f", gp {scores['gp']['mae']:.3g})")
     for cell, scores in (arm.get("odebench") or {}).items():
         if isinstance(scores, dict) and "fim" in scores:
             row[f"odebench {cell} R2>0.9"] = (f"{scores['fim']['frac_r2_gt_0.9']:.2f} (lin "
-                                              f"{scores['linear']['frac_r2_gt_0.9']:.2f})")
+                                              f"{scores['linear']['frac_r2_gt_0.9']:.2f}, gp "
+                                              f"{scores['gp']['frac_r2_gt_0.9']:.2f})")
     return row
 
 

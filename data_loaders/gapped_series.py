@@ -17,7 +17,7 @@ without data rows, unsorted or duplicate times, non-finite times, a channel with
 observations, and (:func:`check_windows`) a FIM-ℓ window with fewer than two.
 
 For scoring and fine-tuning an imputer: :func:`gap_mask` (artificial contiguous gaps),
-:func:`interpolate_baseline` (linear or spline gap filling, the baseline to beat),
+:func:`interpolate_baseline` (linear, clamped-spline or GP gap filling, the baselines to beat),
 :func:`masked_metrics` (MAE, RMSE, MRE on the hidden entries, R^2) and :class:`HoldoutWindows`
 (windows of a series with random observed points hidden).
 
@@ -359,18 +359,54 @@ def gap_mask(n: int, d: int, fraction: float, rng: np.random.Generator, n_gaps: 
     return hidden
 
 
+#: the baselines :func:`interpolate_baseline` offers
+BASELINES = ("linear", "spline", "gp")
+
+
 def interpolate_baseline(times: np.ndarray, values: np.ndarray, observed: np.ndarray, kind: str) -> np.ndarray:
-    """Per channel, linear or cubic-spline (scipy, natural) interpolation of the observed points."""
+    """Per channel, fill the series from its observed points: the interpolations a practitioner tries first.
+
+    * ``"linear"``: ``np.interp``; held constant beyond the first and last observation.
+    * ``"spline"``: a natural cubic spline (scipy) between the first and last observation, **held constant**
+      at the end observations' values beyond them (a cubic extrapolated past the data is off by orders of
+      magnitude within a few gaps' length); linear with fewer than 4 observations.
+    * ``"gp"``: a Gaussian process (scikit-learn ``GaussianProcessRegressor``, kernel RBF + WhiteKernel,
+      ``normalize_y=True``), fitted per channel by maximum marginal likelihood on the observed points, times
+      scaled to the observed span so the length-scale's start (0.1) and bounds mean the same for every series;
+      its posterior mean. Linear with fewer than 3 observations.
+
+    **Shapes:** ``times (T,)``, ``values, observed (T, D)`` -> ``(T, D)``.
+    """
+    if kind not in BASELINES:
+        raise ValueError(f"interpolate_baseline: kind={kind!r}; expected one of {', '.join(BASELINES)}")
     from scipy.interpolate import CubicSpline
 
-    out = np.empty_like(values)
+    out = np.empty(values.shape, dtype=np.float64)
     for j in range(values.shape[1]):
         t, v = times[observed[:, j]], values[observed[:, j], j]
-        if kind == "linear" or len(t) < 4:
+        if kind == "linear" or len(t) < (3 if kind == "gp" else 4):
             out[:, j] = np.interp(times, t, v)
+        elif kind == "spline":
+            out[:, j] = CubicSpline(t, v, bc_type="natural")(np.clip(times, t[0], t[-1]))
         else:
-            out[:, j] = CubicSpline(t, v, bc_type="natural")(times)
+            out[:, j] = _gp_fill(times, t, v)
     return out
+
+
+def _gp_fill(times: np.ndarray, t: np.ndarray, v: np.ndarray) -> np.ndarray:
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.gaussian_process import GaussianProcessRegressor
+    from sklearn.gaussian_process.kernels import RBF, WhiteKernel
+
+    t0, span = t[0], max(t[-1] - t[0], 1e-12)
+    kernel = RBF(length_scale=0.1, length_scale_bounds=(1e-3, 1e3)) + WhiteKernel(1e-2, (1e-8, 1e1))
+    gp = GaussianProcessRegressor(kernel, normalize_y=True, n_restarts_optimizer=0, random_state=0)
+    with warnings.catch_warnings():  # a noise-free series drives the white noise to its bound: expected
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        gp.fit(((t - t0) / span)[:, None], v)
+    return gp.predict(((times - t0) / span)[:, None])
 
 
 def masked_metrics(pred: np.ndarray, target: np.ndarray, mask: np.ndarray,

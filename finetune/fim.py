@@ -6,7 +6,8 @@ ODEBench-style evaluation and ``domainfm predict fim``.
   imputes zero-shot the 59 real missing weeks of the Mauna Loa CO2 series (no ground truth: the
   report gives how many were filled) plus artificial gaps in the observed CO2 weeks, and
   artificial gaps in simulated Lorenz, Van der Pol and Lotka-Volterra trajectories; metrics on the
-  masked entries beside linear and cubic-spline interpolation.
+  masked entries beside linear interpolation, a cubic spline held constant beyond the end observations and a
+  Gaussian process (RBF + white noise, fitted per series).
 * ``data.kind: odebench``: the 63 ODEBench systems (ODEFormer's list, d'Ascoli et al. 2024: 23
   one-, 28 two-, 10 three- and 2 four-dimensional; :mod:`domainfm.data_loaders.odebench`), two
   initial conditions each, simulated on the published span ``[0, 10]`` (256 points: *our* grid;
@@ -31,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from domainfm.data_loaders.gapped_series import (GappedSeries, HoldoutWindows, check_windows, fim_windows, gap_mask,
-                                                 interpolate_baseline, load_co2, masked_metrics, read_series,
+from domainfm.data_loaders.gapped_series import (BASELINES, GappedSeries, HoldoutWindows, check_windows, fim_windows,
+                                                 gap_mask, interpolate_baseline, load_co2, masked_metrics, read_series,
                                                  to_dataframe)
 from domainfm.data_loaders.odebench import DEMO_SYSTEMS, ODEBENCH, simulate
 from domainfm.engine import Recipe, TrainConfig
@@ -174,7 +175,7 @@ def _score_case(model, times, clean, observed_input, hidden, data, noisy=None,
     values = clean if noisy is None else noisy
     ours = impute_series(model, times, values, observed_input, window_points=data.window_points, overlap=data.overlap)
     out = {"fim": masked_metrics(ours["values"], clean, hidden, known)}
-    for kind in ("linear", "spline"):
+    for kind in BASELINES:
         out[kind] = masked_metrics(interpolate_baseline(times, values, observed_input, kind), clean, hidden, known)
     return out
 

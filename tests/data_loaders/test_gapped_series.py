@@ -93,3 +93,53 @@ def test_shipped_co2_has_the_59_real_gaps():
     assert s.values.shape == (2284, 1) and int((~s.observed).sum()) == 59
     np.testing.assert_allclose(np.diff(s.times), 7.0)
     assert 310 < np.nanmin(s.values) and np.nanmax(s.values) < 380
+
+
+def test_spline_baseline_holds_the_end_values_beyond_the_observations():
+    # a cubic observed only on [0.25, 0.75]: a natural spline extrapolates its end slopes (here ~0.19 per unit
+    # at t = 0 and 1); the baseline holds the first/last observed value constant outside them instead
+    from scipy.interpolate import CubicSpline
+
+    from domainfm.data_loaders.gapped_series import interpolate_baseline
+
+    t = np.linspace(0.0, 1.0, 41)
+    x = (40 * (t - 0.5) ** 3)[:, None]
+    obs = ((t >= 0.25) & (t <= 0.75))[:, None]
+    out = interpolate_baseline(t, x, obs, "spline")[:, 0]
+    inside = obs[:, 0]
+    reference = CubicSpline(t[inside], x[inside, 0], bc_type="natural")(t[inside])
+    np.testing.assert_allclose(out[inside], reference, atol=1e-12)
+    np.testing.assert_allclose(out[t < 0.25], x[t == 0.25, 0][0], atol=1e-12)
+    np.testing.assert_allclose(out[t > 0.75], x[t == 0.75, 0][0], atol=1e-12)
+
+
+def test_gp_baseline_matches_sklearn_and_recovers_a_smooth_gap():
+    from sklearn.gaussian_process import GaussianProcessRegressor
+    from sklearn.gaussian_process.kernels import RBF, WhiteKernel
+
+    from domainfm.data_loaders.gapped_series import interpolate_baseline
+
+    t = np.linspace(0.0, 1.0, 60)
+    x = np.stack([np.sin(4 * t), 100 + 30 * np.cos(3 * t)], axis=1)
+    obs = np.ones_like(x, dtype=bool)
+    obs[20:32, 0] = False
+    obs[40:50, 1] = False
+    out = interpolate_baseline(t, x, obs, "gp")
+    for j in range(2):
+        gp = GaussianProcessRegressor(RBF(length_scale=0.1, length_scale_bounds=(1e-3, 1e3))
+                                      + WhiteKernel(1e-2, (1e-8, 1e1)), normalize_y=True, n_restarts_optimizer=0,
+                                      random_state=0)
+        gp.fit(t[obs[:, j], None], x[obs[:, j], j])
+        np.testing.assert_allclose(out[:, j], gp.predict(t[:, None]), rtol=1e-6, atol=1e-6)
+    # smooth series: the GP fills the gap far better than a straight line across it
+    lin = interpolate_baseline(t, x, obs, "linear")
+    hidden = ~obs
+    assert np.abs(out - x)[hidden].mean() < 0.2 * np.abs(lin - x)[hidden].mean()
+
+
+def test_baseline_kind_is_checked():
+    from domainfm.data_loaders.gapped_series import interpolate_baseline
+
+    t = np.linspace(0.0, 1.0, 8)
+    with pytest.raises(ValueError, match="kind='cubic'.*linear.*spline.*gp"):
+        interpolate_baseline(t, t[:, None], np.ones((8, 1), bool), "cubic")

@@ -154,7 +154,7 @@ def test_finetune_on_a_users_series(tmp_path):
     arm = report["arms"]["random"]
     assert report["task"] == "imputation" and arm["steps"] == 2 and np.isfinite(arm["val"]["mae"])
     gaps = arm["imputation"]["series_artificial_gaps"]
-    for method in ("fim", "linear", "spline"):
+    for method in ("fim", "linear", "spline", "gp"):
         assert set(gaps[method]) == {"mae", "rmse", "mre", "r2"} and np.isfinite(gaps[method]["mae"])
     # forgetting: the retained capability (zero-shot imputation of ODE trajectories) before and after
     assert report["retained_capability"]["metric"] == "r2"
