@@ -6,7 +6,8 @@
   (a left fold, as ``functools.reduce``), and sample the Gaussian-process prior on 1024 points.
 * **TSMixup** (Chronos, Alg. 1): a convex combination, with Dirichlet(``alpha``) weights, of
   windows of 1 to ``max_series`` series of one random length, each first divided by its mean
-  absolute value.
+  absolute value. Each component is a real series with probability ``real_share``, chosen before
+  the length so that short real series take part as often as asked.
 * :class:`SyntheticWindows` serves random (context, future) training windows drawn from both,
   with missing values injected into the context; :func:`fixed_windows` freezes ``n`` of them
   into a validation set.
@@ -32,6 +33,8 @@ __all__ = [
     "sample_kernel_synth",
     "generate_kernel_synth",
     "ts_mixup",
+    "mix_series",
+    "cut_window",
     "SyntheticWindows",
     "fixed_windows",
 ]
@@ -115,26 +118,70 @@ def generate_kernel_synth(n: int, *, length: int = KERNEL_LENGTH, max_kernels: i
     return np.stack([sample_kernel_synth(rng, length=length, max_kernels=max_kernels) for _ in range(n)]).astype(np.float32)
 
 
-def ts_mixup(pool: list[np.ndarray], rng: np.random.Generator, *, max_series: int = 3, alpha: float = 1.5,
-             min_length: int = 128, max_length: int = 2048) -> np.ndarray:
-    """One TSMixup series: a Dirichlet(``alpha``)-weighted mix of windows of 1..``max_series``
-    series from ``pool``, each of the same random length and divided by its mean |x|."""
-    k = int(rng.integers(1, max_series + 1))
-    longest = max(len(p) for p in pool)
-    high = min(max_length, longest)
+def mix_series(parts: list[np.ndarray], rng: np.random.Generator, *, alpha: float = 1.5, min_length: int = 128,
+               max_length: int = 2048) -> np.ndarray:
+    """TSMixup (Chronos Alg. 1) of the given series: Dirichlet(``alpha``) weights over windows of
+    one random length at random offsets, each divided by its mean |x|. The length is drawn per mix
+    from what its series allow: between ``min(min_length, shortest)`` and ``min(max_length,
+    shortest)``, so a real series shorter than ``min_length`` still takes part (as a shorter mix)."""
+    high = min(max_length, min(len(p) for p in parts))
     length = int(rng.integers(min(min_length, high), high + 1))
-    weights = rng.dirichlet(np.full(k, alpha))
+    weights = rng.dirichlet(np.full(len(parts), alpha))
     out = np.zeros(length, dtype=np.float64)
-    for w in weights:
-        candidates = [p for p in pool if len(p) >= length] or [max(pool, key=len)]
-        series = candidates[int(rng.integers(len(candidates)))]
-        start = int(rng.integers(0, len(series) - min(length, len(series)) + 1))
+    for w, series in zip(weights, parts):
+        start = int(rng.integers(0, len(series) - length + 1))
         window = np.asarray(series[start : start + length], dtype=np.float64)
-        if len(window) < length:  # shorter than asked: left-pad with its first value
-            window = np.concatenate([np.full(length - len(window), window[0]), window])
-        scale = np.nanmean(np.abs(window))
+        observed = np.abs(window[np.isfinite(window)])
+        scale = observed.mean() if observed.size else 0.0
         out += w * window / (scale if scale > 0 else 1.0)
     return out.astype(np.float32)
+
+
+def ts_mixup(pool: list[np.ndarray], rng: np.random.Generator, *, max_series: int = 3, alpha: float = 1.5,
+             min_length: int = 128, max_length: int = 2048, real: list[np.ndarray] = (), real_share: float = 0.0,
+             sources: list[str] | None = None) -> np.ndarray:
+    """One TSMixup series: a Dirichlet(``alpha``)-weighted mix (:func:`mix_series`) of windows of
+    1..``max_series`` series, each drawn from ``real`` with probability ``real_share`` (when
+    ``real`` holds any series, and always when ``pool`` is empty), otherwise from ``pool``. The
+    components are chosen before the length, whatever their lengths, so the share of real series
+    in the mixes is ``real_share`` (Chronos mixes its real corpus only: ``real_share=1``).
+    ``sources``, when given, receives ``"real"`` or ``"synthetic"`` per component."""
+    if not len(pool) and not len(real):
+        raise ValueError("ts_mixup: no series to mix (the pool and the real series are both empty)")
+    if not 0 <= real_share <= 1:
+        raise ValueError(f"real_share={real_share}: expected a probability")
+    k = int(rng.integers(1, max_series + 1))
+    parts = []
+    for _ in range(k):
+        from_real = len(real) > 0 and (not len(pool) or rng.random() < real_share)
+        source = real if from_real else pool
+        parts.append(source[int(rng.integers(len(source)))])
+        if sources is not None:
+            sources.append("real" if from_real else "synthetic")
+    return mix_series(parts, rng, alpha=alpha, min_length=min_length, max_length=max_length)
+
+
+def cut_window(series: np.ndarray, draw_end, *, min_past: int, prediction_length: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(past values, future of ``prediction_length``) cut from ``series`` at a random point.
+
+    A series of at least ``min_past + prediction_length`` values ends its future at ``draw_end(low,
+    high)`` (an integer in ``[low, high]``), with at least ``min_past`` values before it. A shorter
+    series (a real yearly or quarterly series; Chronos filters them out) is kept: at least half of
+    it (up to ``min_past`` values) is context, the rest (at least one step) future, right-padded
+    with NaN to ``prediction_length`` (the loss ignores the missing tail)."""
+    series = np.asarray(series, dtype=np.float32)
+    n = len(series)
+    need = min_past + prediction_length
+    if n >= need:
+        end = int(draw_end(need, n))
+        return series[: end - prediction_length], series[end - prediction_length : end]
+    if n < 2:
+        raise ValueError(f"cut_window: a series of {n} value(s) has no context and future to split into")
+    past = max(1, min(min_past, n // 2))
+    split = int(draw_end(past, n - 1))
+    future = series[split : split + prediction_length]
+    return series[:split], np.concatenate([future, np.full(prediction_length - len(future), np.nan, dtype=np.float32)])
 
 
 class SyntheticWindows(Dataset):
@@ -147,12 +194,14 @@ class SyntheticWindows(Dataset):
                  num_windows: int, tsmixup_prob: float = 0.9, missing_prob: float = 0.2, min_past: int = 60,
                  tsmixup: dict[str, Any] | None = None):
         self.kernel_synth = [np.asarray(s, dtype=np.float32) for s in kernel_synth]
-        self.pool = self.kernel_synth + [np.asarray(s, dtype=np.float32) for s in extra]
+        self.real = [np.asarray(s, dtype=np.float32) for s in extra]
         self.context_length, self.prediction_length = context_length, prediction_length
         self.num_windows, self.tsmixup_prob, self.missing_prob = num_windows, tsmixup_prob, missing_prob
         self.min_past = min(min_past, context_length)
         self.tsmixup = dict(tsmixup or {})
         self.tsmixup.setdefault("min_length", self.min_past + prediction_length)
+        # Chronos mixes its real corpus only; without real series the mixes are of KernelSynth
+        self.tsmixup.setdefault("real_share", 1.0)
 
     def __len__(self) -> int:
         return self.num_windows
@@ -160,17 +209,13 @@ class SyntheticWindows(Dataset):
     def series(self) -> np.ndarray:
         rng = np.random.default_rng(np.random.randint(0, 2**31 - 1))
         if rng.random() < self.tsmixup_prob:
-            return ts_mixup(self.pool, rng, **self.tsmixup)
+            return ts_mixup(self.kernel_synth, rng, real=self.real, **self.tsmixup)
         return self.kernel_synth[int(rng.integers(len(self.kernel_synth)))]
 
     def __getitem__(self, index: int):
-        series = self.series()
-        need = self.min_past + self.prediction_length
-        if len(series) < need:
-            series = np.concatenate([np.full(need - len(series), np.nan, dtype=np.float32), series])
-        end = np.random.randint(need, len(series) + 1)
-        future = series[end - self.prediction_length : end]
-        context = left_pad(series[: end - self.prediction_length], self.context_length)
+        past, future = cut_window(self.series(), lambda low, high: np.random.randint(low, high + 1),
+                                  min_past=self.min_past, prediction_length=self.prediction_length)
+        context = left_pad(past, self.context_length)
         if self.missing_prob > 0:
             drop = np.random.rand(self.context_length) < np.random.uniform(0, self.missing_prob)
             context = np.where(drop, np.float32(np.nan), context)

@@ -47,9 +47,11 @@ from domainfm.data_loaders.synthetic_series import (
     KERNEL_BANK,
     KERNEL_LENGTH,
     SyntheticWindows,
+    cut_window,
     fixed_windows,
     generate_kernel_synth,
     kernel_matrix,
+    mix_series,
     sample_kernel_synth,
     ts_mixup,
 )
@@ -67,6 +69,8 @@ __all__ = [
     "sample_kernel_synth",
     "generate_kernel_synth",
     "ts_mixup",
+    "mix_series",
+    "cut_window",
     "SyntheticWindows",
     "fixed_windows",
     "SeededWindows",
@@ -159,20 +163,40 @@ class SeededWindows(SyntheticWindows):
                              "TSMixup (data.tsmixup_prob < 1); generate some or set data.tsmixup_prob=1")
         return self.kernel_synth[int(rng.integers(len(self.kernel_synth)))]
 
-    def _series(self, index: int, rng: np.random.Generator) -> np.ndarray:
+    def _series(self, index: int, rng: np.random.Generator, sources: list[str] | None = None) -> np.ndarray:
+        """Series ``index``'s draw; ``sources`` (when given) receives one ``"real"``/``"synthetic"``
+        per TSMixup component, or ``"kernel_synth"`` for a plain KernelSynth series."""
         if rng.random() < self.tsmixup_prob:
-            return ts_mixup(self.pool, rng, **self.tsmixup)
+            return ts_mixup(self.kernel_synth, rng, real=self.real, sources=sources, **self.tsmixup)
+        if sources is not None:
+            sources.append("kernel_synth")
         return self._kernel_synth(rng)
+
+    def composition(self, n: int = 2000, epoch: int = 0) -> dict[str, float]:
+        """What ``n`` draws of this sampler hold (replayed from its own seeds for samples
+        ``0..n-1`` of ``epoch``, without touching the epoch it is at): the share of TSMixup windows,
+        the share of windows holding at least one real series, and the share of real components
+        among the TSMixup components."""
+        seeds = SampleSeeds(self.seeds.seed)
+        seeds.set_epoch(epoch)
+        n = min(n, len(self))
+        mixes = with_real = components = real = 0
+        for i in range(n):
+            sources: list[str] = []
+            self._series(i, seeds.numpy(i), sources)
+            if sources != ["kernel_synth"]:
+                mixes += 1
+                components += len(sources)
+                real += sources.count("real")
+                with_real += "real" in sources
+        return {"draws": float(n), "tsmixup_share": mixes / max(n, 1), "real_draw_share": with_real / max(n, 1),
+                "real_component_share": real / max(components, 1)}
 
     def _window(self, series: np.ndarray, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """A (context, future) window of ``series`` ending at a random point (SyntheticWindows's cut)."""
-        need = self.min_past + self.prediction_length
-        series = np.asarray(series, dtype=np.float32)
-        if len(series) < need:
-            series = np.concatenate([np.full(need - len(series), np.nan, dtype=np.float32), series])
-        end = int(rng.integers(need, len(series) + 1))
-        future = series[end - self.prediction_length : end]
-        context = left_pad(series[: end - self.prediction_length], self.context_length)
+        past, future = cut_window(series, lambda low, high: rng.integers(low, high + 1), min_past=self.min_past,
+                                  prediction_length=self.prediction_length)
+        context = left_pad(past, self.context_length)
         if self.missing_prob > 0:
             rate = rng.uniform(0, self.missing_prob)
             context = np.where(rng.random(self.context_length) < rate, np.float32(np.nan), context)
@@ -216,31 +240,18 @@ class CorpusWindows(SeededWindows):
         j = int(rng.integers(len(self.corpus) + len(self.extra)))
         return self._corpus_series(j) if j < len(self.corpus) else self.extra[j - len(self.corpus)]
 
-    def _series(self, index: int, rng: np.random.Generator) -> np.ndarray:
+    def _series(self, index: int, rng: np.random.Generator, sources: list[str] | None = None) -> np.ndarray:
         if rng.random() >= self.tsmixup_prob:
+            if sources is not None:
+                sources.append("kernel_synth")
             return self._kernel_synth(rng)
         mix = self.tsmixup
         k = int(rng.integers(1, mix.get("max_series", 3) + 1))
         parts = [self._corpus_series(index)] + [self._partner(rng) for _ in range(k - 1)]
-        return _mix(parts, rng, alpha=mix.get("alpha", 1.5), min_length=mix["min_length"],
-                    max_length=mix.get("max_length", 2048))
-
-
-def _mix(parts: list[np.ndarray], rng: np.random.Generator, *, alpha: float, min_length: int,
-         max_length: int) -> np.ndarray:
-    """TSMixup (Chronos Alg. 1) of the given series: Dirichlet(``alpha``) weights over windows of
-    one random length at random offsets, each divided by its mean |x|."""
-    high = min(max_length, min(len(p) for p in parts))
-    length = int(rng.integers(min(min_length, high), high + 1))
-    weights = rng.dirichlet(np.full(len(parts), alpha))
-    out = np.zeros(length, dtype=np.float64)
-    for w, series in zip(weights, parts):
-        start = int(rng.integers(0, len(series) - length + 1))
-        window = np.asarray(series[start : start + length], dtype=np.float64)
-        observed = np.abs(window[np.isfinite(window)])
-        scale = observed.mean() if observed.size else 0.0
-        out += w * window / (scale if scale > 0 else 1.0)
-    return out.astype(np.float32)
+        if sources is not None:
+            sources.extend(["real"] * k)
+        return mix_series(parts, rng, alpha=mix.get("alpha", 1.5), min_length=mix["min_length"],
+                          max_length=mix.get("max_length", 2048))
 
 
 # --------------------------------------------------------------------------- corpus preparation
@@ -370,6 +381,9 @@ class DataSection:
     tsmixup_alpha: float = 1.5
     tsmixup_min_length: int = 128
     tsmixup_max_length: int = 2048
+    #: the probability that a TSMixup component is a real series (extra_series, statsmodels, the
+    #: corpus) rather than a KernelSynth one; Chronos mixes real series only (1.0)
+    tsmixup_real_share: float = 1.0
     extra_series: list[str] = field(default_factory=list)
     #: statsmodels-bundled datasets added to the TSMixup pool (data_loaders.timeseries.STATSMODELS_CORPUS)
     statsmodels: list[str] = field(default_factory=list)
@@ -441,8 +455,9 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
     run_dir = Path(run_dir)
     d = cfg.data
-    if not 0 <= d.tsmixup_prob <= 1:
-        raise ValueError(f"data.tsmixup_prob={d.tsmixup_prob}: expected a probability")
+    for key in ("tsmixup_prob", "tsmixup_real_share"):
+        if not 0 <= getattr(d, key) <= 1:
+            raise ValueError(f"data.{key}={getattr(d, key)}: expected a probability")
     torch.manual_seed(cfg.train.seed)
     model, init_info = build_model(cfg.model)
     corpus = None
@@ -458,7 +473,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
         extra += [s["target"] for s in statsmodels_corpus(d.statsmodels)]
     tsmixup = dict(max_series=d.tsmixup_max_series, alpha=d.tsmixup_alpha, min_length=d.tsmixup_min_length,
-                   max_length=d.tsmixup_max_length)
+                   max_length=d.tsmixup_max_length, real_share=d.tsmixup_real_share)
     common = dict(context_length=model.context_length, prediction_length=model.prediction_length,
                   tsmixup_prob=d.tsmixup_prob, missing_prob=d.missing_prob, min_past=d.min_past, tsmixup=tsmixup)
     if corpus is not None:
@@ -482,6 +497,8 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "kernel_synth_series": d.kernel_synth_series,
         "kernel_synth_series_per_s": round(d.kernel_synth_series / max(synth_seconds, 1e-9), 1),
         "extra_series": len(extra),
+        # measured from this run's own sampler (samples 0..1999 of epoch 0)
+        "tsmixup_composition": train.composition(2000),
         "data_kind": d.kind,
         "model_dir": saved,
         "saved_model": saved,  # what the experiment layer takes from a stage

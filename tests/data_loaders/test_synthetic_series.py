@@ -93,3 +93,53 @@ def test_pretraining_module_re_exports_the_same_objects():
 
     for name in S.__all__:
         assert getattr(P, name) is getattr(S, name)
+
+
+def _signed_pools():
+    # mean-|x| scaling maps the KernelSynth stand-ins (constant +5, 512 long) to +1 and the real
+    # ones (constant -3, 12 to 107 long: yearly and quarterly series) to -1, so a window holds a
+    # real series exactly when its values fall below +1
+    synth = [np.full(512, 5.0, dtype=np.float32) for _ in range(400)]
+    real = [np.full(n, -3.0, dtype=np.float32) for n in range(12, 108, 5)]
+    return synth, real
+
+
+def _real_draw_share(ds, n):
+    np.random.seed(0)
+    hits = 0
+    for i in range(n):
+        context, future = ds[i]
+        values = torch.cat([context, future])
+        hits += bool((values[~torch.isnan(values)] < 1 - 1e-5).any())
+    return hits / n
+
+
+def test_tsmixup_draws_hold_real_series_in_the_asked_share_whatever_their_length():
+    synth, real = _signed_pools()
+    common = dict(context_length=128, prediction_length=64, num_windows=3000, tsmixup_prob=1.0, missing_prob=0.0,
+                  min_past=60)
+    n = 3000
+    # Chronos mixes real series only: every mix holds one
+    only_real = S.SyntheticWindows(synth, real, **common)
+    assert _real_draw_share(only_real, n) == 1.0
+    # half the components real: P(at least one of k ~ U{1,2,3}) = 1 - (1/2 + 1/4 + 1/8) / 3
+    half = S.SyntheticWindows(synth, real, tsmixup={"real_share": 0.5}, **common)
+    expected = 1 - (0.5 + 0.25 + 0.125) / 3
+    assert abs(_real_draw_share(half, n) - expected) < 4 * (expected * (1 - expected) / n) ** 0.5
+    none = S.SyntheticWindows(synth, real, tsmixup={"real_share": 0.0}, **common)
+    assert _real_draw_share(none, 500) == 0.0
+
+
+def test_short_real_series_give_windows_with_context_and_a_masked_future_tail():
+    ramp = np.arange(1.0, 31.0, dtype=np.float32)  # 30 values, shorter than min_past + horizon
+    past, future = S.cut_window(ramp, lambda low, high: high, min_past=60, prediction_length=64)
+    assert len(past) == 29 and future.shape == (64,)
+    assert future[0] == 30 and np.isnan(future[1:]).all()
+    past, future = S.cut_window(ramp, lambda low, high: low, min_past=60, prediction_length=64)
+    np.testing.assert_array_equal(past, ramp[:15])  # at least half of the series is context
+    np.testing.assert_array_equal(future[:15], ramp[15:])
+    assert np.isnan(future[15:]).all()
+    long = np.arange(200.0, dtype=np.float32)
+    past, future = S.cut_window(long, lambda low, high: low, min_past=60, prediction_length=64)
+    np.testing.assert_array_equal(past, long[:60])
+    np.testing.assert_array_equal(future, long[60:124])
