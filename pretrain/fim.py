@@ -11,15 +11,30 @@ we build a generator of drift-defined 1-D ODEs ``dx/dt = f(t)``, solved on a 128
   [0.2, 1.0] of the unit interval), the time span ``[0, 1]`` and the drift amplitude.
 * ``x(t) = x_0 + ∫ f``, integrated exactly (Chebyshev: antiderivative series) or with the
   trapezoid rule on an 8x finer grid (GP), then read on the 128 grid points; ``x_0 ~ N(0, 1)``.
-* ``n_obs ~ U{8..64}`` of the 128 points observed (uniformly chosen; *inferred*: "avg_min_8"
-  read as at least 8), additive Gaussian noise with std ``U(0, noise_max) * std(x)`` (*inferred*
-  relative scale; the official config trains on "noisy" paths).
+* The observation pattern (``sample_prior``'s ``observed`` and ``regular``): a share ``regular_fraction`` of the series is
+  observed at a regular stride starting at ``t_0`` (every ``s``-th point, ``s`` drawn uniformly among
+  the strides that give ``min_observed..max_observed`` points), the rest at a uniform random subset of
+  ``n_obs ~ U{min_observed..max_observed}`` points (*inferred*: "avg_min_8" read as at least 8). The
+  official training samples bundled with OpenFIM's tests are observed at a regular stride from
+  ``t_0``; how the official set mixes patterns is not known, so the default mixes half/half.
+* Additive Gaussian noise with std ``U(noise_min, noise_max) * std(x)``: the official samples carry
+  noise at 4-35% of the path's std (as measured on them for issue 35; the official generator's
+  distribution is not released), so ``noise_max`` defaults to 0.35 and ``noise_min`` to 0 (clean
+  observations stay in the prior).
 
-**The objective** (official ``FIMImpPointBase.loss``, in the original scale): Gaussian NLL of the
-drift on the fine grid + Gaussian NLL of ``x(t_0)`` + 10 x the one-step residual
-``sum_k (x_{k+1} - x_k - f̂(t_k) h_k)^2`` (``loss_scale_*`` 1, 1, 10). Paper defaults
-(``configs/fim/pretrain.yaml``): Adam lr 1e-5, weight decay 1e-3, clipping 10, batch 1024, 900
-epochs, cosine to 1e-7.
+Until issue 35 the prior was ``regular_fraction: 0``, ``noise_max: 0.1`` (the first recipe of the
+shipped checkpoint, ``configs/fim/pretrain_synthetic_prior*.yaml``, sets them so; with those values
+a seed draws exactly the series it drew then).
+
+**The objective** (official ``FIMImpPointBase.loss``): Gaussian NLL of the drift on the fine grid +
+Gaussian NLL of ``x(t_0)`` + 10 x the one-step residual ``sum_k (x_{k+1} - x_k - f̂(t_k) h_k)^2``
+(``loss_scale_*`` 1, 1, 10). ``loss_units``: ``"original"`` computes it in the series' own scale
+(the official code's choice, so a series of range 10 weighs ~100x one of range 1 in the residual);
+``"normalised"`` (default) in the model's own MinMax units (values over the observed range, times
+over the observed span: drift ``f * t_range / x_range``, ``x_0`` from ``x_min`` over ``x_range``,
+residual over ``x_range^2``), so every series weighs the same whatever its scale: the loss is
+invariant to rescaling a series. Paper defaults (``configs/fim/pretrain.yaml``): Adam lr 1e-5,
+weight decay 1e-3, clipping 10, batch 1024, 900 epochs, cosine to 1e-7.
 """
 from __future__ import annotations
 
@@ -34,8 +49,10 @@ from torch.utils.data import Dataset
 from domainfm.engine import Recipe, TrainConfig, Trainer
 from domainfm.experiment import ModelSection, init_label, resolve
 
-__all__ = ["Config", "ModelSection", "PriorSection", "sample_prior", "SyntheticODEDataset", "FIMRecipe", "fim_loss",
-           "run"]
+__all__ = ["Config", "ModelSection", "PriorSection", "sample_prior", "regular_strides",
+           "SyntheticODEDataset", "FIMRecipe", "fim_loss", "LOSS_UNITS", "run"]
+
+LOSS_UNITS = ("normalised", "original")
 
 
 @dataclass
@@ -46,7 +63,9 @@ class PriorSection:
     t_max: float = 1.0
     min_observed: int = 8
     max_observed: int = 64
-    noise_max: float = 0.1
+    regular_fraction: float = 0.5
+    noise_min: float = 0.0
+    noise_max: float = 0.35
     max_degree: int = 100
     chebyshev_fraction: float = 0.5
     gp_length_scales: list[float] = field(default_factory=lambda: [0.2, 1.0])
@@ -57,8 +76,22 @@ class PriorSection:
         if not 1 <= self.min_observed <= self.max_observed <= self.grid_size:
             raise ValueError(f"prior: need 1 <= min_observed ({self.min_observed}) <= max_observed "
                              f"({self.max_observed}) <= grid_size ({self.grid_size})")
-        if self.noise_max < 0 or not 0 <= self.chebyshev_fraction <= 1:
-            raise ValueError("prior: noise_max must be >= 0 and chebyshev_fraction in [0, 1]")
+        if not 0 <= self.noise_min <= self.noise_max or not 0 <= self.chebyshev_fraction <= 1:
+            raise ValueError(f"prior: need 0 <= noise_min ({self.noise_min}) <= noise_max ({self.noise_max}) and "
+                             f"chebyshev_fraction ({self.chebyshev_fraction}) in [0, 1]")
+        if not 0 <= self.regular_fraction <= 1:
+            raise ValueError(f"prior: regular_fraction={self.regular_fraction}; expected a share in [0, 1]")
+        if self.regular_fraction > 0 and not len(regular_strides(self.grid_size, self.min_observed, self.max_observed)):
+            raise ValueError(f"prior: no regular stride observes {self.min_observed}-{self.max_observed} of "
+                             f"{self.grid_size} points; widen the range or set regular_fraction: 0")
+
+
+def regular_strides(grid_size: int, min_observed: int, max_observed: int) -> np.ndarray:
+    """The strides ``s`` for which every ``s``-th point from the first (``ceil(G / s)`` points) is
+    between ``min_observed`` and ``max_observed`` of a ``grid_size``-point grid."""
+    s = np.arange(1, grid_size + 1)
+    count = -(-grid_size // s)
+    return s[(count >= min_observed) & (count <= max_observed)]
 
 
 def _chebyshev(rng, n, s, max_degree):
@@ -87,7 +120,8 @@ def _gp(rng, n, t_fine, scales):
 
 
 def sample_prior(n: int, prior: PriorSection, seed: int | None = None) -> dict[str, np.ndarray]:
-    """``n`` samples: ``times (G,)``, ``values, drift, noisy (n, G)`` float64, ``observed (n, G)`` bool.
+    """``n`` samples: ``times (G,)``, ``values, drift, noisy (n, G)`` float64, ``observed (n, G)`` bool,
+    ``noise_std``, ``is_chebyshev``, ``regular`` (observed at a regular stride from ``t_0``) ``(n,)``.
     Deterministic in ``seed`` (default ``prior.seed``)."""
     rng = np.random.default_rng(prior.seed if seed is None else seed)
     g = prior.grid_size
@@ -115,10 +149,15 @@ def sample_prior(n: int, prior: PriorSection, seed: int | None = None) -> dict[s
     counts = rng.integers(prior.min_observed, prior.max_observed + 1, size=n)
     ranks = np.argsort(rng.random((n, g)), axis=1).argsort(axis=1)
     observed = ranks < counts[:, None]
-    noise_std = rng.uniform(0.0, prior.noise_max, size=n) * values.std(axis=1)
+    noise_std = rng.uniform(prior.noise_min, prior.noise_max, size=n) * values.std(axis=1)
     noisy = values + rng.standard_normal((n, g)) * noise_std[:, None]
+    regular = np.zeros(n, dtype=bool)
+    if prior.regular_fraction > 0:  # drawn last, so that regular_fraction: 0 reproduces the draws before issue 35
+        regular = rng.random(n) < prior.regular_fraction
+        stride = rng.choice(regular_strides(g, prior.min_observed, prior.max_observed), size=n)
+        observed[regular] = (np.arange(g)[None] % stride[regular, None]) == 0
     return {"times": times, "values": values, "drift": drift, "noisy": noisy, "observed": observed,
-            "noise_std": noise_std, "is_chebyshev": is_cheb}
+            "noise_std": noise_std, "is_chebyshev": is_cheb, "regular": regular}
 
 
 class SyntheticODEDataset(Dataset):
@@ -139,15 +178,29 @@ class SyntheticODEDataset(Dataset):
         return self.times, self.noisy[i], self.observed[i], self.values[i], self.drift[i]
 
 
-def fim_loss(model, batch, scales=(1.0, 1.0, 10.0)) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The official objective on a batch ``(times, noisy, observed, values, drift)`` of ``(N, G)``."""
+def fim_loss(model, batch, scales=(1.0, 1.0, 10.0), units: str = "normalised"
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The official objective on a batch ``(times, noisy, observed, values, drift)`` of ``(N, G)``, in
+    ``units`` (``"normalised"``: the model's MinMax units of each series; ``"original"``: the series' own)."""
+    if units not in LOSS_UNITS:
+        raise ValueError(f"fim_loss: units={units!r}; expected one of {', '.join(LOSS_UNITS)}")
     times, noisy, observed, values, drift = batch
     out = model.concepts(times, noisy, ~observed, times)
     mean, log_std, x0, x0_log_std = out["drift_mean"], out["drift_log_std"], out["init_mean"], out["init_log_std"]
+    x_ref, x_scale = torch.zeros_like(x0), torch.ones_like(x0)
+    drift_scale = torch.ones_like(x0)
+    if units == "normalised":  # the model's own normalisation of each row (what it sees and predicts)
+        x_ref, x_scale, t_scale = out["x_min"], out["x_range"], out["t_range"]
+        drift_scale = x_scale / t_scale
+    mean, drift, log_std = mean / drift_scale[:, None], drift / drift_scale[:, None], log_std - drift_scale.log()[:, None]
+    x0, x0_true, x0_log_std = (x0 - x_ref) / x_scale, (values[:, 0] - x_ref) / x_scale, x0_log_std - x_scale.log()
     nll_drift = (0.5 * (drift - mean) ** 2 * torch.exp(-2 * log_std) + log_std).mean()
-    nll_x0 = (0.5 * (values[:, 0] - x0) ** 2 * torch.exp(-2 * x0_log_std) + x0_log_std).mean()
+    nll_x0 = (0.5 * (x0_true - x0) ** 2 * torch.exp(-2 * x0_log_std) + x0_log_std).mean()
     step = times[:, 1:] - times[:, :-1]
-    residual = ((values[:, 1:] - values[:, :-1] - mean[:, :-1] * step) ** 2).sum(dim=1).mean()
+    # (x_{k+1} - x_k - f h) / x_scale, written with the scaled drift: f h / x_scale = (f / drift_scale) h / t_scale
+    t_scale = x_scale / drift_scale
+    residual = (((values[:, 1:] - values[:, :-1]) / x_scale[:, None] - mean[:, :-1] * step / t_scale[:, None]) ** 2
+                ).sum(dim=1).mean()
     loss = scales[0] * nll_drift + scales[1] * nll_x0 + scales[2] * residual
     return loss, {"loss": loss.detach(), "nll_drift": nll_drift.detach(), "nll_x0": nll_x0.detach(),
                   "euler_residual": residual.detach()}
@@ -156,14 +209,15 @@ def fim_loss(model, batch, scales=(1.0, 1.0, 10.0)) -> tuple[torch.Tensor, dict[
 class FIMRecipe(Recipe):
     """Drift NLL + initial-condition NLL + 10 x one-step residual (official loss scales)."""
 
-    def __init__(self, model, train_dataset, val_dataset=None, scales=(1.0, 1.0, 10.0)):
+    def __init__(self, model, train_dataset, val_dataset=None, scales=(1.0, 1.0, 10.0), units: str = "normalised"):
         self.model, self.train_dataset, self.val_dataset, self.scales = model, train_dataset, val_dataset, scales
+        self.units = units
 
     def step(self, model, batch):
         if hasattr(model, "mark_forward_method") and "concepts" not in model._forward_methods:
             # route the call through DDP's forward (gradient sync) when Fabric wraps the model
             model.mark_forward_method("concepts")
-        return fim_loss(model, batch, self.scales)
+        return fim_loss(model, batch, self.scales, self.units)
 
     def eval_step(self, model, batch):
         loss, logs = self.step(model, batch)
@@ -179,6 +233,7 @@ class Config:
     model: ModelSection = field(default_factory=lambda: ModelSection(name="fim-imputation-base"))
     prior: PriorSection = field(default_factory=PriorSection)
     loss_scales: list[float] = field(default_factory=lambda: [1.0, 1.0, 10.0])
+    loss_units: str = "normalised"
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         max_epochs=900, batch_size=1024, lr=1e-5, weight_decay=1e-3, clip_grad_norm=10.0, schedule="cosine",
         min_lr=1e-7, monitor=None))
@@ -188,6 +243,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
     """Pretrain on the synthetic prior; saves the model to ``run_dir / "model"``."""
     import domainfm
 
+    if cfg.loss_units not in LOSS_UNITS:
+        raise ValueError(f"loss_units={cfg.loss_units!r}; expected one of {', '.join(LOSS_UNITS)}")
     run_dir = Path(run_dir)
     train = SyntheticODEDataset(cfg.prior.n_samples, cfg.prior, seed=cfg.prior.seed)
     val = SyntheticODEDataset(cfg.prior.n_val, cfg.prior, seed=cfg.prior.seed + 1) if cfg.prior.n_val else None
@@ -197,17 +254,19 @@ def run(cfg: Config, run_dir: Path) -> dict:
         import dataclasses
 
         train_cfg = dataclasses.replace(train_cfg, monitor="val/loss", monitor_mode="min")
-    result = Trainer(train_cfg, run_dir=run_dir).fit(FIMRecipe(model, train, val, tuple(cfg.loss_scales)))
+    result = Trainer(train_cfg, run_dir=run_dir).fit(FIMRecipe(model, train, val, tuple(cfg.loss_scales), cfg.loss_units))
     best = result.model if result.model is not None else model
     saved = domainfm.save_pretrained(best, run_dir / "model")
     losses = [r["loss"] for r in result.history if r.get("split") == "train"]
     report = {
         "model": cfg.model.name,
         "init": init_label(cfg.model.pretrained, init_info),
-        "objective": "drift NLL + x0 NLL + {:g} x one-step residual (official FIMImpPointBase loss)".format(
-            cfg.loss_scales[2]),
+        "objective": "drift NLL + x0 NLL + {:g} x one-step residual (official FIMImpPointBase loss), in {} units".format(
+            cfg.loss_scales[2], cfg.loss_units),
         "prior": f"{cfg.prior.n_samples} synthetic ODE solutions (Chebyshev deg<= {cfg.prior.max_degree} / RBF GP "
-                 f"drifts), {cfg.prior.grid_size}-point grid, {cfg.prior.min_observed}-{cfg.prior.max_observed} observed",
+                 f"drifts), {cfg.prior.grid_size}-point grid, {cfg.prior.min_observed}-{cfg.prior.max_observed} observed "
+                 f"({cfg.prior.regular_fraction:g} at a regular stride from t0, the rest at random), noise "
+                 f"{cfg.prior.noise_min:g}-{cfg.prior.noise_max:g} x the path's std",
         "params_total": sum(p.numel() for p in model.parameters()),
         "steps": result.global_step,
         "train_loss_first": losses[0] if losses else math.nan,

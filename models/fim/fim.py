@@ -347,7 +347,8 @@ class FIMImputer(nn.Module):
 
     def concepts(self, times: Tensor, values: Tensor, missing: Tensor, eval_times: Tensor) -> dict[str, Tensor]:
         """Drift (mean, log-std) at ``eval_times (N, L)`` and ``x(eval_times[:, 0])`` (mean, log-std),
-        in the original scale, without integrating: what the training objective needs."""
+        in the original scale, without integrating: what the training objective needs; with the
+        row's normalisation (``x_min``, ``x_range``, ``t_range`` ``(N,)``) for a loss in its units."""
         times_n, values_n, (t_min, t_range), (x_min, x_range) = self.normalise(times, values, missing)
         eval_n = (eval_times - t_min) / t_range
         embedding = self.encode(times_n, values_n, missing)
@@ -356,7 +357,8 @@ class FIMImputer(nn.Module):
         return {"drift_mean": mean_n * x_range / t_range,
                 "drift_log_std": log_std_n + torch.log(x_range) - torch.log(t_range),
                 "init_mean": x0_n * x_range[:, 0] + x_min[:, 0],
-                "init_log_std": x0_log_std_n + torch.log(x_range[:, 0])}
+                "init_log_std": x0_log_std_n + torch.log(x_range[:, 0]),
+                "x_min": x_min[:, 0], "x_range": x_range[:, 0], "t_range": t_range[:, 0]}
 
     def local(self, times: Tensor, values: Tensor, missing: Tensor, eval_times: Tensor) -> dict[str, Tensor]:
         """The local model on rows of one channel each, as the official forward + ``new_stats``.
