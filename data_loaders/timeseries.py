@@ -44,6 +44,8 @@ __all__ = [
     "load_sample",
     "statsmodels_corpus",
     "STATSMODELS_CORPUS",
+    "BUNDLED_CORPUS",
+    "bundled_corpus",
     "left_pad",
     "left_pad_batch",
     "SAMPLES",
@@ -445,6 +447,66 @@ STATSMODELS_CORPUS = {
     "danish_data": ("public domain", "Danish money demand, 1974Q1-1987Q3, 5 quarterly series"),
     "interest_inflation": ("public domain", "German interest rate and inflation, 1972Q2-1998Q4, 2 quarterly series"),
 }
+
+
+#: Real series shipped in ``data_loaders/samples`` for pretraining (never the held-out
+#: ``statsmodels_series.csv``): name -> (licence, what). See ``samples/timeseries/README.md``.
+BUNDLED_CORPUS = {
+    "m1_yearly": ("CC-BY-4.0 (Monash Time Series Forecasting Archive)",
+                  "the 181 yearly series of the M1 competition (Makridakis et al. 1982), 15 to 58 values"),
+    "daphnet_gait": ("CC-BY-4.0 (UCI Daphnet Freezing of Gait)",
+                     "9 accelerometer channels (ankle, thigh, trunk; 3 axes each) of recording S06R02, 64 Hz, "
+                     "7,040 samples each"),
+    "eeg_motor_imagery": ("ODC-By-1.0 (PhysioNet EEGMMIDB)",
+                          "the 64 EEG channels of S001R02 (eyes-closed rest), 160 Hz, 9,760 samples each"),
+}
+
+
+def _read_tsf(path: Path) -> list[dict[str, Any]]:
+    """Series of a Monash ``.tsf`` file (``name:start:v1,v2,...`` lines after ``@data``; ``?`` is
+    missing), as ``{"item_id", "target"}``."""
+    out, in_data = [], False
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if not in_data:
+                in_data = line.lower() == "@data"
+                continue
+            fields = line.split(":")  # name, then the attributes (start timestamp), then the values
+            name, values = fields[0], fields[-1]
+            try:
+                target = np.array([np.nan if v == "?" else float(v) for v in values.split(",")], dtype=np.float32)
+            except ValueError as err:
+                raise TimeSeriesError(f"{path}: line {number}: expected comma-separated numbers after the last ':' "
+                                      f"({err})") from None
+            out.append({"item_id": name, "target": target})
+    return out
+
+
+def bundled_corpus(names: Sequence[str]) -> list[dict[str, Any]]:
+    """Real pretraining series shipped with the package (:data:`BUNDLED_CORPUS`), as
+    ``{"item_id", "target"}`` dicts with float32 targets (item ids prefixed by the corpus name)."""
+    samples = Path(__file__).resolve().parent / "samples"
+    out: list[dict[str, Any]] = []
+    for name in names:
+        if name not in BUNDLED_CORPUS:
+            raise TimeSeriesError(f"bundled corpus {name!r}: expected one of {sorted(BUNDLED_CORPUS)}")
+        if name == "m1_yearly":
+            series = _read_tsf(samples / "timeseries" / "m1_yearly.tsf")
+        elif name == "daphnet_gait":
+            frame = pd.read_csv(samples / "timeseries" / "daphnet_S06R02E0.csv")
+            series = [{"item_id": c, "target": frame[c].to_numpy(dtype=np.float32)}
+                      for c in frame.columns if c not in ("timestamp", "is_anomaly")]
+        else:
+            import mne
+
+            raw = mne.io.read_raw_edf(samples / "eeg" / "S001R02.edf", preload=True, verbose="error")
+            data = raw.get_data(units="uV").astype(np.float32)
+            series = [{"item_id": ch.strip("."), "target": row} for ch, row in zip(raw.ch_names, data)]
+        out.extend({"item_id": f"{name}/{s['item_id']}", "target": s["target"]} for s in series)
+    return out
 
 
 def statsmodels_corpus(names: Sequence[str], *, min_length: int = 16) -> list[dict[str, Any]]:

@@ -150,9 +150,10 @@ class SeededWindows(SyntheticWindows):
     ``U(0, missing_prob)``), but sample ``i`` of epoch ``e`` is the same window on any rank, in any
     batch and after a resume. ``set_epoch`` is called by the engine at each epoch start."""
 
-    def __init__(self, kernel_synth, extra, *, seed: int = 0, **kwargs):
+    def __init__(self, kernel_synth, extra, *, seed: int = 0, context_crop_prob: float = 0.0, **kwargs):
         super().__init__(kernel_synth, extra, **kwargs)
         self.seeds = SampleSeeds(seed)
+        self.context_crop_prob = context_crop_prob
 
     def set_epoch(self, epoch: int) -> None:
         self.seeds.set_epoch(epoch)
@@ -196,6 +197,12 @@ class SeededWindows(SyntheticWindows):
         """A (context, future) window of ``series`` ending at a random point (SyntheticWindows's cut)."""
         past, future = cut_window(series, lambda low, high: rng.integers(low, high + 1), min_past=self.min_past,
                                   prediction_length=self.prediction_length)
+        longest = min(len(past), self.context_length)
+        if self.context_crop_prob > 0 and rng.random() < self.context_crop_prob and longest > self.min_past:
+            # a history of random length (min_past to the whole context): the forecast must not
+            # depend on how much history the window happened to have (issue: longer contexts
+            # pulled forecasts towards the context mean)
+            past = past[-int(rng.integers(self.min_past, longest + 1)):]
         context = left_pad(past, self.context_length)
         if self.missing_prob > 0:
             rate = rng.uniform(0, self.missing_prob)
@@ -387,6 +394,11 @@ class DataSection:
     extra_series: list[str] = field(default_factory=list)
     #: statsmodels-bundled datasets added to the TSMixup pool (data_loaders.timeseries.STATSMODELS_CORPUS)
     statsmodels: list[str] = field(default_factory=list)
+    #: real series shipped in the package added to the TSMixup pool (data_loaders.timeseries.BUNDLED_CORPUS)
+    bundled: list[str] = field(default_factory=list)
+    #: probability that a training window's history is cut to a random length (min_past to the
+    #: context length); 0 is Chronos's recipe
+    context_crop_prob: float = 0.0
     windows_per_epoch: int = 10000
     val_windows: int = 256
     missing_prob: float = 0.2
@@ -455,7 +467,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
     run_dir = Path(run_dir)
     d = cfg.data
-    for key in ("tsmixup_prob", "tsmixup_real_share"):
+    for key in ("tsmixup_prob", "tsmixup_real_share", "context_crop_prob"):
         if not 0 <= getattr(d, key) <= 1:
             raise ValueError(f"data.{key}={getattr(d, key)}: expected a probability")
     torch.manual_seed(cfg.train.seed)
@@ -472,14 +484,20 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         from domainfm.data_loaders.timeseries import statsmodels_corpus
 
         extra += [s["target"] for s in statsmodels_corpus(d.statsmodels)]
+    if d.bundled:
+        from domainfm.data_loaders.timeseries import bundled_corpus
+
+        extra += [s["target"] for s in bundled_corpus(d.bundled)]
     tsmixup = dict(max_series=d.tsmixup_max_series, alpha=d.tsmixup_alpha, min_length=d.tsmixup_min_length,
                    max_length=d.tsmixup_max_length, real_share=d.tsmixup_real_share)
     common = dict(context_length=model.context_length, prediction_length=model.prediction_length,
                   tsmixup_prob=d.tsmixup_prob, missing_prob=d.missing_prob, min_past=d.min_past, tsmixup=tsmixup)
     if corpus is not None:
-        train = CorpusWindows(corpus, kernel_synth, extra, seed=cfg.train.seed, **common)
+        train = CorpusWindows(corpus, kernel_synth, extra, seed=cfg.train.seed, context_crop_prob=d.context_crop_prob,
+                              **common)
     else:
-        train = SeededWindows(kernel_synth, extra, num_windows=d.windows_per_epoch, seed=cfg.train.seed, **common)
+        train = SeededWindows(kernel_synth, extra, num_windows=d.windows_per_epoch, seed=cfg.train.seed,
+                              context_crop_prob=d.context_crop_prob, **common)
     val = None
     if d.val_windows > 0:
         held_out = generate_kernel_synth(max(8, d.val_windows // 8), length=d.kernel_synth_length,

@@ -40,3 +40,36 @@ def test_every_shipped_config_parses():
         raw = cfgmod.load_yaml(cfgmod.config_path("wavetoken", name.split("/")[1]))
         schema = P.Config if name.split("/")[1].startswith("pretrain") else F.Config
         cfgmod.from_dict(schema, raw)
+
+
+def test_pretraining_mixes_the_bundled_real_series_in_the_asked_share(tmp_path):
+    code = cli.main(["pretrain", "wavetoken", "train.max_steps=2", "train.batch_size=4", "train.progress=false",
+                     "data.kernel_synth_series=8", "data.kernel_synth_length=128", "data.windows_per_epoch=8",
+                     "data.val_windows=0", "data.bundled=[m1_yearly]", "data.tsmixup_real_share=0.5",
+                     "data.tsmixup_prob=0.9", "--runs-dir", str(tmp_path), "--name", "mix"])
+    assert code == 0
+    report = json.loads((tmp_path / "wavetoken" / "mix" / "report.json").read_text())
+    assert report["extra_series"] == 181  # the M1 yearly series, 15 to 58 values: all shorter than a window
+    comp = report["tsmixup_composition"]
+    assert comp["draws"] == 8  # one epoch of 8 windows
+    share = P.SeededWindows(P.generate_kernel_synth(8, length=128), [np.arange(20.0)] * 5, context_length=64,
+                            prediction_length=16, num_windows=4000, seed=0, min_past=30, tsmixup_prob=0.9,
+                            tsmixup={"real_share": 0.5}).composition(4000)
+    assert abs(share["tsmixup_share"] - 0.9) < 4 * (0.9 * 0.1 / 4000) ** 0.5
+    assert abs(share["real_component_share"] - 0.5) < 0.03
+
+
+def test_context_crop_gives_histories_of_every_length():
+    series = [np.arange(400.0, dtype=np.float32)]
+    ds = P.SeededWindows(series, [], context_length=128, prediction_length=16, num_windows=400, seed=0, min_past=30,
+                         tsmixup_prob=0.0, missing_prob=0.0, context_crop_prob=1.0)
+    lengths = [int((~torch.isnan(ds[i][0])).sum()) for i in range(400)]
+    assert min(lengths) == 30 and max(lengths) == 128
+    assert 40 < np.median(lengths) < 110  # uniform between min_past and the context length
+    plain = P.SeededWindows(series, [], context_length=128, prediction_length=16, num_windows=400, seed=0, min_past=30,
+                            tsmixup_prob=0.0, missing_prob=0.0)
+    for i in range(400):  # the same cut (the crop draws after it): the cropped history is its last values
+        (crop_c, crop_f), (plain_c, plain_f) = ds[i], plain[i]
+        assert torch.equal(crop_f, plain_f)
+        kept = ~torch.isnan(crop_c)
+        assert torch.equal(crop_c[kept], plain_c[-int(kept.sum()):])
