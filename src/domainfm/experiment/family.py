@@ -51,6 +51,10 @@ class Family(RobustArms, ArmRunner):
         selection: ``fn(cfg, task) -> (metric, direction)``, the checkpoint selection rule when
             ``train.monitor`` is unset (default: the shared supervised rule for the task).
         retained: the family's :class:`Retained` capability (forgetting), measured before and after.
+        baselines: ``fn(cfg, task) -> {"columns": {column name: score key prefix}, "description":
+            line}`` or None: reference forecasts (not trained arms) whose scores the recipe puts in
+            every arm's sections as ``<prefix>_<metric>``; stored as ``report["baselines"]``, they
+            become extra columns of the report's table (:func:`~domainfm.experiment.report.table_rows`).
     """
 
     name: str
@@ -64,6 +68,7 @@ class Family(RobustArms, ArmRunner):
     prepare: Callable[[Any, nn.Module, str], None] | None = None
     selection: Callable[[Any, TaskData], tuple[str, str]] | None = None
     retained: Retained | None = None
+    baselines: Callable[[Any, TaskData], dict[str, Any] | None] | None = None
 
     def __post_init__(self):
         if not (dataclasses.is_dataclass(self.config) and issubclass(self.config, ExperimentConfig)):
@@ -154,6 +159,9 @@ class Family(RobustArms, ArmRunner):
         }
         if choice is not None:
             report["model_choice"] = choice
+        baselines = self.baselines(cfg, task) if self.baselines is not None else None
+        if baselines:
+            report["baselines"] = baselines
         if adapt.robust:
             report["adapt"].update(sample_weighting=adapt.sample_weighting, interpolation=adapt.interpolation)
             if adapt.sample_weighting == "flow":

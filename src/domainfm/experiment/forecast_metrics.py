@@ -7,7 +7,8 @@ and against GluonTS itself (``SampleForecast.quantile``, ``Evaluator``) in
 
 :func:`mase`, :func:`quantile_loss`, :func:`wql`, :func:`sample_quantiles`, :func:`seasonality`,
 :func:`seasonal_naive_forecast`, :func:`geometric_mean`, and :func:`forecast_scores` (the Chronos
-benchmark protocol over held-out windows: per dataset and geometric mean relative to seasonal naive).
+benchmark protocol over held-out windows: per dataset and geometric mean relative to seasonal naive,
+optionally beside statsforecast's AutoETS / AutoTheta / AutoARIMA: ``forecast_baselines.py``).
 
 Errors. Inputs that make a metric meaningless raise ``ValueError`` naming the argument and
 what was expected: mismatched shapes, empty inputs, NaN (except NaN as a missing value in
@@ -348,9 +349,10 @@ def geometric_mean(values: ArrayLike) -> float:
 
 
 def forecast_scores(windows: list[dict[str, Any]], samples: np.ndarray | None, quantile_levels, *,
-                    quantiles: np.ndarray | None = None) -> dict[str, float]:
-    """MASE and WQL per dataset for model and seasonal naive, and their geometric means relative
-    to seasonal naive across datasets.
+                    quantiles: np.ndarray | None = None, baselines: Sequence[str] = (),
+                    context_length: int | None = None) -> dict[str, float]:
+    """MASE and WQL per dataset for model and seasonal naive (and the statistical ``baselines``),
+    and their geometric means relative to seasonal naive across datasets.
 
     Args:
         windows: held-out windows (``context``, ``future``, ``freq``, optional ``dataset``).
@@ -362,7 +364,26 @@ def forecast_scores(windows: list[dict[str, Any]], samples: np.ndarray | None, q
             as Chronos-Bolt; GluonTS ``QuantileForecast``): WQL scores them as they are and MASE
             scores the 0.5 level, which ``quantile_levels`` must then contain. Exclusive with
             ``samples``.
+        baselines: statistical baselines fitted on the same contexts with the same season
+            (keys of :data:`~domainfm.experiment.forecast_baselines.BASELINES`: ``auto_ets``,
+            ``auto_theta``, ``auto_arima``; :func:`~domainfm.experiment.forecast_baselines.baseline_forecast`),
+            scored like the model (MASE on the point forecast, its 0.5 quantile; WQL on the
+            quantiles at ``quantile_levels``): ``<dataset>.<b>_mase``, ``<dataset>.<b>_wql``,
+            ``<b>_mase_rel``, ``<b>_wql_rel``, ``<b>_fallback_windows`` (the windows a fallback
+            forecast, see ``forecast_baselines``; also ``<dataset>.<b>_fallback_windows`` for each
+            dataset where there are any); with any baseline, also ``naive_mase_rel = naive_wql_rel = 1``.
+        context_length: the baselines are fitted on the last ``context_length`` values of each
+            context, the window the model sees (None: the whole context). Seasonal naive and the
+            MASE scale use the whole context, as GluonTS does.
+
+    Keys: ``<dataset>.mase``, ``<dataset>.wql``, ``<dataset>.naive_mase``, ``<dataset>.naive_wql``,
+    ``mase_rel``, ``wql_rel`` (with a model), the baselines' keys above, and ``n_datasets``.
     """
+    from domainfm.experiment.forecast_baselines import baseline_forecast, check_baselines
+
+    baselines = check_baselines(baselines)
+    if context_length is not None:
+        context_length = _check_positive_int(context_length, "context_length")
     levels = [float(q) for q in quantile_levels]
     if quantiles is not None:
         if samples is not None:
@@ -380,6 +401,8 @@ def forecast_scores(windows: list[dict[str, Any]], samples: np.ndarray | None, q
         by_dataset.setdefault(w.get("dataset", "series"), []).append(i)
     out: dict[str, float] = {}
     rel_mase, rel_wql = [], []
+    rel_baseline: dict[str, tuple[list[float], list[float]]] = {b: ([], []) for b in baselines}
+    fallbacks = {b: 0 for b in baselines}
     for name, idx in by_dataset.items():
         freqs = {windows[i]["freq"] for i in idx}
         if len(freqs) > 1:
@@ -390,6 +413,16 @@ def forecast_scores(windows: list[dict[str, Any]], samples: np.ndarray | None, q
         naive = seasonal_naive_forecast(insample, future.shape[1], season)
         out[f"{name}.naive_mase"] = mase(future, naive, insample, season)
         out[f"{name}.naive_wql"] = wql(future, np.repeat(naive[..., None], len(levels), -1), levels)
+        for b in baselines:
+            seen = insample if context_length is None else [s[-context_length:] for s in insample]
+            fit = baseline_forecast(b, seen, future.shape[1], season, levels)
+            out[f"{name}.{b}_mase"] = mase(future, fit.mean, insample, season)
+            out[f"{name}.{b}_wql"] = wql(future, fit.quantiles, levels)
+            if fit.fallback_windows:  # labelled where it happened; the total is always reported
+                out[f"{name}.{b}_fallback_windows"] = float(fit.fallback_windows)
+            fallbacks[b] += fit.fallback_windows
+            rel_baseline[b][0].append(out[f"{name}.{b}_mase"] / out[f"{name}.naive_mase"])
+            rel_baseline[b][1].append(out[f"{name}.{b}_wql"] / out[f"{name}.naive_wql"])
         if has_model:
             if samples is not None:
                 s = np.asarray(samples, dtype=np.float64)[idx]
@@ -404,5 +437,10 @@ def forecast_scores(windows: list[dict[str, Any]], samples: np.ndarray | None, q
             rel_wql.append(out[f"{name}.wql"] / out[f"{name}.naive_wql"])
     if has_model:  # geometric mean over datasets of model / seasonal naive
         out["mase_rel"], out["wql_rel"] = geometric_mean(rel_mase), geometric_mean(rel_wql)
+    if baselines:
+        out["naive_mase_rel"] = out["naive_wql_rel"] = 1.0
+    for b, (rm, rw) in rel_baseline.items():
+        out[f"{b}_mase_rel"], out[f"{b}_wql_rel"] = geometric_mean(rm), geometric_mean(rw)
+        out[f"{b}_fallback_windows"] = float(fallbacks[b])
     out["n_datasets"] = float(len(by_dataset))
     return out

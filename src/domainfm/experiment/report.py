@@ -1,10 +1,17 @@
-"""One nested report for every family, and its table (one column per arm).
+"""One nested report for every family, and its table (one column per arm, then one per baseline).
 
     {"family", "task", "model", "labels", "data", "adapt", "stages",
      "params": {"total", "trainable"},
      "arms": {ARM: {"init", "mode", "best_step", "steps", "val": {...}, "test": {...},
                     "<protocol>": {...}, "seeds": [...], "val_std": {...}, "test_std": {...}}},
+     "baselines": {"columns": {COLUMN: PREFIX}, "description": "..."},   (optional)
      "wall_time_s"}
+
+**Baselines** are reference forecasts scored beside the arms on the same data (seasonal naive,
+AutoETS, ...), not trained arms: their scores sit in the arms' sections under ``PREFIX_<metric>``
+(``test.co2.naive_mase``, ``test.auto_ets_wql_rel``), identical in every arm. The table moves
+them out of the arm columns into one column per baseline, in the row of the arm metric they
+correspond to (``test.auto_ets_wql_rel`` in row ``test.wql_rel``, column ``AutoETS``).
 """
 from __future__ import annotations
 
@@ -78,25 +85,45 @@ def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _baseline_key(key: str, columns: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(column, arm metric)`` when ``key`` is a baseline's score (its last part starts with a
+    column's ``PREFIX_``): ``test.d.auto_ets_mase`` -> ``("AutoETS", "test.d.mase")``."""
+    head, _, last = key.rpartition(".")
+    for column, prefix in columns.items():
+        if last.startswith(prefix + "_") and len(last) > len(prefix) + 1:
+            return column, f"{head}.{last[len(prefix) + 1:]}" if head else last[len(prefix) + 1:]
+    return None
+
+
 def table_rows(report: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, list[Any]]]]:
-    """(arm names, rows of (metric, one value per arm)), ``init`` first. A metric repeated over
-    seeds reads ``mean ± std``."""
+    """(column names: the arms, then the baselines of ``report["baselines"]["columns"]``; rows of
+    (metric, one value per column)), ``init`` first. A metric repeated over seeds reads
+    ``mean ± std``; a baseline's value is taken from the first arm that holds it."""
     arms = list(report.get("arms", {}))
-    per_arm = {}
+    columns = dict((report.get("baselines") or {}).get("columns") or {})
+    per_arm, per_baseline = {}, {c: {} for c in columns}
     for a in arms:
         arm = report["arms"][a]
         flat = flatten({k: v for k, v in arm.items() if k != "seeds" and not k.endswith("_std")})
         stds = flatten({k[:-4]: v for k, v in arm.items() if k.endswith("_std") and isinstance(v, Mapping)})
-        per_arm[a] = {k: (f"{_fmt(v)} ± {_fmt(stds[k])}" if k in stds and _is_number(v) else v) for k, v in flat.items()}
+        own = {}
+        for k, v in flat.items():
+            found = _baseline_key(k, columns) if columns else None
+            if found is None:
+                own[k] = f"{_fmt(v)} ± {_fmt(stds[k])}" if k in stds and _is_number(v) else v
+            elif _is_number(v):
+                per_baseline[found[0]].setdefault(found[1], v)
+        per_arm[a] = own
     keys: list[str] = []
-    for a in arms:
-        for k, v in per_arm[a].items():
+    for values in [*per_arm.values(), *per_baseline.values()]:
+        for k, v in values.items():
             if k not in keys and k not in ("model_dir", "adapter_dir", "seed") and (
                     _is_number(v) or isinstance(v, str) and ("±" in v or k in ("init", "mode", "skipped"))):
                 keys.append(k)
     front = [k for k in ("init", "mode", "skipped", "best_step") if k in keys]
     keys = front + [k for k in keys if k not in front]
-    return arms, [(k, [per_arm[a].get(k) for a in arms]) for k in keys]
+    values = [per_arm[a] for a in arms] + [per_baseline[c] for c in columns]
+    return arms + list(columns), [(k, [v.get(k) for v in values]) for k in keys]
 
 
 def _fmt(v: Any) -> str:
@@ -166,6 +193,8 @@ def wise_markdown(report: Mapping[str, Any]) -> list[str]:
 def to_markdown(report: Mapping[str, Any]) -> str:
     head = [f"# {report.get('family', '')} {report.get('kind', 'finetune')} report", ""]
     head += _lines((k, report[k]) for k in ("task", "model", "labels", "params", "wall_time_s") if k in report)
+    if (report.get("baselines") or {}).get("description"):
+        head += _lines([("baselines", report["baselines"]["description"])])
     if report.get("retained_capability"):
         cap = report["retained_capability"]
         head += _lines([("retained capability", f"{cap.get('metric')} ({cap.get('direction')}): {cap.get('description', '')}")])
