@@ -361,3 +361,43 @@ def test_a_dataset_smaller_than_one_global_batch_is_an_error_not_zero_steps():
     # without drop_last the short batch is used
     result = Trainer(_cfg(max_epochs=2, drop_last=False)).fit(ClassifyRecipe(TinyNet(), make_dataset(n=10)))
     assert result.global_step == 2
+
+
+class _EvalCrashRecipe(ClassifyRecipe):
+    """Dies in the ``crash_at``-th validation: a kill after the step's checkpoint, before validation."""
+
+    def __init__(self, *a, crash_at, **kw):
+        super().__init__(*a, **kw)
+        self.crash_at, self.evals = crash_at, 0
+
+    def metrics(self, outputs):
+        self.evals += 1
+        if self.evals == self.crash_at:
+            raise _Crash("killed after the last step's checkpoint, before its validation")
+        return super().metrics(outputs)
+
+
+@pytest.mark.parametrize("max_steps", [40, 48])  # the last step inside an epoch, and at an epoch's end
+def test_resume_after_a_kill_before_the_final_validation_validates_and_selects(tmp_path, max_steps):
+    cfg = dict(max_epochs=10, max_steps=max_steps, batch_size=16, checkpoint_every_steps=1, log_every_steps=4,
+               monitor="val/loss", monitor_mode="min")
+    torch.manual_seed(0)
+    reference = TinyNet(dropout=0.3)
+    init = {k: v.clone() for k, v in reference.state_dict().items()}
+    expected = Trainer(_cfg(**cfg), run_dir=tmp_path / "a").fit(
+        ClassifyRecipe(reference, make_dataset(), make_dataset(seed=1)))
+    killed = TinyNet(dropout=0.3)
+    killed.load_state_dict(init)
+    with pytest.raises(_Crash):
+        Trainer(_cfg(**cfg), run_dir=tmp_path / "b").fit(
+            _EvalCrashRecipe(killed, make_dataset(), make_dataset(seed=1), crash_at=3))
+    resumed = TinyNet(dropout=0.3)
+    result = Trainer(_cfg(resume=True, **cfg), run_dir=tmp_path / "b").fit(
+        ClassifyRecipe(resumed, make_dataset(), make_dataset(seed=1)))
+    assert result.global_step == expected.global_step == max_steps
+    assert result.best_step == expected.best_step and result.best_metric == pytest.approx(expected.best_metric)
+    assert result.last_val == pytest.approx(expected.last_val)
+    vals = lambda r: [(x["step"], round(x["loss"], 6)) for x in r.history if x.get("split") == "val"]  # noqa: E731
+    assert vals(result) == vals(expected)
+    for key, value in reference.state_dict().items():  # the selected (best) model is the one returned
+        assert torch.equal(value, resumed.state_dict()[key]), key

@@ -486,6 +486,10 @@ class Trainer:
         self.best_metric: float | None = None
         self.best_step: int | None = None
         self.bad_epochs = 0
+        # whether the epoch-end work (validation, selection, early stopping, the epoch's checkpoint)
+        # is done for the current step: a step checkpoint taken before it says False, so a run
+        # killed between the last step's checkpoint and its validation validates on resume
+        self.epoch_closed = True
         self.history: list[dict[str, Any]] = []
 
     # -- helpers --------------------------------------------------------------
@@ -565,6 +569,7 @@ class Trainer:
                 "best_metric": self.best_metric,
                 "best_step": self.best_step,
                 "bad_epochs": self.bad_epochs,
+                "epoch_closed": self.epoch_closed,
                 # metrics.jsonl records written up to this checkpoint: a resume cuts the log back
                 # to them, so the history is one run with no step repeated
                 "log_records": len(self.history),
@@ -795,7 +800,7 @@ class Trainer:
         first_unchecked = self.global_step
         model.train()
         try:
-            while self.epoch < max_epochs and self.global_step < total_steps:
+            while (self.epoch < max_epochs and self.global_step < total_steps) or not self.epoch_closed:
                 micro_per_step = cfg.grad_accum
                 sampler.set_epoch(self.epoch, start=self.batch_in_epoch * micro_per_step * cfg.batch_size)
                 if callable(getattr(recipe.train_dataset, "set_epoch", None)):
@@ -805,7 +810,8 @@ class Trainer:
                 micro = 0
                 # only whole optimizer steps per epoch: leftover micro-batches would leak their
                 # gradients into the next epoch's first step
-                micro_limit = (steps_per_epoch - self.batch_in_epoch) * micro_per_step
+                # (none when the steps are done and only the epoch-end work is left, after a resume)
+                micro_limit = 0 if self.global_step >= total_steps else (steps_per_epoch - self.batch_in_epoch) * micro_per_step
                 for batch in loader:
                     if micro >= micro_limit:
                         break
@@ -844,6 +850,7 @@ class Trainer:
                     scheduler.step()
                     self.global_step += 1
                     self.batch_in_epoch += 1
+                    self.epoch_closed = False
                     recipe.on_train_step_end(self._raw_model, self.global_step, total_steps)
                     if bar is not None:
                         bar.update(1)
@@ -878,11 +885,13 @@ class Trainer:
                     stop, best_path = self._select(model, last_val, best_path)
                     if stop:
                         stopped_early = True
+                        self.epoch_closed = True
                         self.save_checkpoint(model, optimizer, scheduler)
                         break
                 elif recipe.val_dataset is None and self.checkpoint_dir is not None:
                     best_path = self._save_best(model)
                     self.best_step = self.global_step
+                self.epoch_closed = True
                 self.save_checkpoint(model, optimizer, scheduler)
         finally:
             if bar is not None:
