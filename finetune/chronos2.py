@@ -27,7 +27,9 @@ mean and equals the model's forward loss of the batch. ``adapt.mode``: full, lor
 both attentions' ``q, k, v, o`` and the feed-forward's ``wi, wo``; the ``quantile_head`` stays
 trainable), linear_probe (the quantile head) or none. Scores: MASE and WQL per dataset (a dataset
 per target column) next to seasonal naive and their geometric mean relative to it, GluonTS
-conventions (:func:`~domainfm.experiment.forecast_metrics.forecast_scores`); checkpoints selected
+conventions (:func:`~domainfm.experiment.forecast_metrics.forecast_scores`), beside statsforecast's
+AutoETS and AutoTheta (``eval.baselines``) fitted on each target's context window as the model sees
+it (targets only: the baselines use no covariates); checkpoints selected
 on validation ``wql_rel``. **Retained capability**: zero-shot ``wql_rel`` on items outside the
 task (:class:`RetainedSection`). FLOW / WiSE-FT come from the shared machinery.
 
@@ -58,7 +60,8 @@ from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Fami
 from domainfm.experiment import apply
 from domainfm.experiment.forecast_metrics import forecast_scores
 from domainfm.experiment.pictures import fan_chart, fan_figure
-from domainfm.finetune.wavetoken import _with_median, zero_shot_protocol
+from domainfm.experiment.forecast_baselines import DEFAULT_BASELINES
+from domainfm.finetune.wavetoken import _with_median, relative_scores, report_baselines, zero_shot_protocol
 from domainfm.lora.settings import LoraSettings
 
 __all__ = ["Config", "DataSection", "EvalSection", "RetainedSection", "FAMILY", "Chronos2Recipe", "SeriesTable",
@@ -95,6 +98,8 @@ class DataSection:
 @dataclass
 class EvalSection:
     quantile_levels: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    #: statistical baselines scored beside the model on each target's context (forecast_baselines.BASELINES)
+    baselines: list[str] = field(default_factory=lambda: list(DEFAULT_BASELINES))
 
 
 @dataclass
@@ -314,9 +319,12 @@ class Chronos2Recipe(Recipe):
     :func:`forecast_scores`; ``forecasts`` keeps the latest of every scored window
     (``{window index: {"quantiles": (H, Q) at eval.quantile_levels, "mean": (H,)}}``)."""
 
-    def __init__(self, model, train_dataset, val_dataset, *, windows, n_targets: int, eval_cfg: EvalSection):
+    def __init__(self, model, train_dataset, val_dataset, *, windows, n_targets: int, eval_cfg: EvalSection,
+                 context_length: int | None = None):
         self.model, self.train_dataset, self.val_dataset = model, train_dataset, val_dataset
         self.windows, self.n_targets, self.eval_cfg, self.forecasts = windows, n_targets, eval_cfg, {}
+        #: the context steps the model is given (TaskWindows.context_length): the baselines are fitted on as many
+        self.context_length = context_length
 
     def per_sample_loss(self, model, batch) -> torch.Tensor:
         """(B,) each window's (task's) loss: its rows' mean; ``step``'s loss is their mean."""
@@ -349,14 +357,16 @@ class Chronos2Recipe(Recipe):
         flat_q, flat_m = quantiles.reshape(len(keys), *quantiles.shape[2:]), mean.reshape(len(keys), -1)
         chosen = flat_q[..., [have.index(float(q)) for q in levels]]
         self.forecasts.update({k: {"quantiles": q, "mean": m} for k, q, m in zip(keys, chosen, flat_m)})
-        scores = forecast_scores([self.windows[k] for k in keys], None, have, quantiles=flat_q)
+        scores = forecast_scores([self.windows[k] for k in keys], None, have, quantiles=flat_q,
+                                 baselines=self.eval_cfg.baselines, context_length=self.context_length)
         scores["loss"] = float(outputs["loss"].mean())
         return scores
 
 
 def build_recipe(cfg: Config, model, task: TaskData) -> Chronos2Recipe:
     return Chronos2Recipe(model, task.train, task.val, windows=task.extras["windows"],
-                          n_targets=task.extras["n_targets"], eval_cfg=cfg.eval)
+                          n_targets=task.extras["n_targets"], eval_cfg=cfg.eval,
+                          context_length=task.info.get("context_length"))
 
 
 # --------------------------------------------------------------------------- protocols
@@ -427,10 +437,10 @@ def retained_forecasting(ctx: ArmContext) -> dict[str, Any]:
     h = cfg.data.prediction_length
     windows = TaskWindows(table, [(i, r.shape[1]) for i, r in enumerate(table.rows)], h, _context_length(cfg, table))
     recipe = Chronos2Recipe(ctx.model, None, None, windows=windows.windows(), n_targets=table.n_targets,
-                            eval_cfg=cfg.eval)
+                            eval_cfg=cfg.eval, context_length=windows.context_length)
     trainer = Trainer(dataclasses.replace(cfg.train, progress=False), run_dir=None)
     scores = trainer.evaluate(recipe, windows, model=ctx.model)
-    return {"wql_rel": scores["wql_rel"], "mase_rel": scores["mase_rel"], "n_series": len(table.items) * table.n_targets}
+    return {**relative_scores(scores), "n_series": len(table.items) * table.n_targets}
 
 
 FAMILY = Family(
@@ -445,6 +455,7 @@ FAMILY = Family(
     retained=Retained(retained_forecasting, metric="wql_rel", direction="min",
                       description="zero-shot WQL (and MASE) relative to seasonal naive, with the same covariates, on "
                                   "items outside the fine-tuning task (retained.items / retained.path)"),
+    baselines=report_baselines,
 )
 run, evaluate = FAMILY.run, FAMILY.evaluate
 

@@ -6,7 +6,9 @@ in-process KernelSynth/TSMixup pretraining stage of the test-sized model, then t
 series shipped with domainfm. Validation: each series' window before the test window (selects the
 best step on ``wql_rel`` unless ``train.monitor`` is set); test: each series' last
 ``prediction_length`` steps. Scores: MASE and WQL per dataset next to seasonal naive and their
-geometric mean relative to it (the GluonTS / Chronos protocol). ``adapt.mode``: full, lora
+geometric mean relative to it (the GluonTS / Chronos protocol), beside statsforecast's AutoETS and
+AutoTheta (``eval.baselines``; AutoARIMA opt-in) fitted on each window's context as the model sees
+it: extra columns of the report's table. ``adapt.mode``: full, lora
 (attention q/v, merged before saving) or none. Each arm reports its ``zero_shot`` test scores
 before adaptation and writes ``RUN/<arm>/model`` and ``RUN/<arm>/forecasts.csv``.
 ``model.pretrained: hf://org/repo`` loads a whole Chronos repository. Tokenizer defaults (issue
@@ -54,6 +56,7 @@ from domainfm.data_loaders.timeseries import HeldOutWindows
 from domainfm.engine import Recipe, Trainer
 from domainfm.experiment import AdaptSection, ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData
 from domainfm.experiment import apply
+from domainfm.experiment.forecast_baselines import DEFAULT_BASELINES, baseline_columns, check_baselines, describe_baselines
 from domainfm.experiment.forecast_metrics import forecast_scores, sample_quantiles
 from domainfm.experiment.inference import quantile_levels
 from domainfm.experiment.pictures import fan_chart, fan_figure
@@ -63,7 +66,8 @@ from domainfm.pretrain.wavetoken import ForecastRecipe
 __all__ = ["Config", "DataSection", "EvalSection", "RetainedSection", "FAMILY", "ForecastEvalRecipe",
            "QuantileForecastRecipe", "HeldOutWindows", "build_task", "build_recipe", "is_quantile_forecaster",
            "model_forecast", "retained_windows", "fan_figure", "fan_chart", "run", "evaluate", "predict", "embed",
-           "pooled_embedding", "ApplyOptions", "ForecastSettings", "APPLY", "BF16_TOLERANCE"]
+           "pooled_embedding", "ApplyOptions", "ForecastSettings", "APPLY", "BF16_TOLERANCE", "relative_scores",
+           "report_baselines"]
 
 
 @dataclass
@@ -94,6 +98,9 @@ class EvalSection:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    #: statistical baselines scored beside the model on the same contexts (forecast_baselines.BASELINES:
+    #: auto_ets, auto_theta, auto_arima; AutoARIMA is slow on long seasons); seasonal naive is always scored
+    baselines: list[str] = field(default_factory=lambda: list(DEFAULT_BASELINES))
 
 
 @dataclass
@@ -209,10 +216,26 @@ def _quantiles_of(forecast: dict[str, np.ndarray], levels) -> tuple[np.ndarray, 
     return forecast["quantiles"], forecast["mean"]
 
 
-def _scores(windows, forecast: dict[str, np.ndarray], levels) -> dict[str, float]:
+def _scores(windows, forecast: dict[str, np.ndarray], levels, baselines=(), context_length=None) -> dict[str, float]:
+    """:func:`forecast_scores` of a model_forecast result, with ``baselines`` fitted on the last
+    ``context_length`` values of each context (what the model sees)."""
+    extra = {"baselines": baselines, "context_length": context_length}
     if "samples" in forecast:
-        return forecast_scores(windows, forecast["samples"], levels)
-    return forecast_scores(windows, None, _with_median(levels), quantiles=forecast["quantiles"])
+        return forecast_scores(windows, forecast["samples"], levels, **extra)
+    return forecast_scores(windows, None, _with_median(levels), quantiles=forecast["quantiles"], **extra)
+
+
+def relative_scores(scores: dict[str, float]) -> dict[str, float]:
+    """The geometric means relative to seasonal naive of ``scores``: the model's ``mase_rel`` and
+    ``wql_rel``, each baseline's ``<b>_mase_rel`` / ``<b>_wql_rel`` and its ``<b>_fallback_windows``."""
+    return {k: v for k, v in scores.items()
+            if k in ("mase_rel", "wql_rel") or "." not in k and k.endswith(("_mase_rel", "_wql_rel", "_fallback_windows"))}
+
+
+def report_baselines(cfg, task=None) -> dict[str, Any]:
+    """``report["baselines"]`` of a forecasting family: the table's baseline columns and how they were fitted."""
+    names = check_baselines(cfg.eval.baselines, "eval.baselines")
+    return {"columns": baseline_columns(names), "description": describe_baselines(names)}
 
 
 # --------------------------------------------------------------------------- data + recipes
@@ -276,7 +299,8 @@ class _EvalMixin:
             quantiles = forecast["quantiles"][..., [have.index(float(q)) for q in levels]]
             mean = forecast["mean"]
         self.forecasts.update({i: {"quantiles": q, "mean": m} for i, q, m in zip(index, quantiles, mean)})
-        scores = _scores([self.windows[i] for i in index], forecast, levels)
+        scores = _scores([self.windows[i] for i in index], forecast, levels, self.eval_cfg.baselines,
+                         self.model.context_length)
         scores["loss"] = float(outputs["loss"].mean())
         return scores
 
@@ -357,7 +381,7 @@ def zero_shot_protocol(recipe_for):
             return {}
         trainer = Trainer(dataclasses.replace(ctx.cfg.train, progress=False), run_dir=None)
         scores = trainer.evaluate(recipe_for(ctx.cfg, ctx.model, ctx.task), ctx.task.test, model=ctx.model)
-        return {"zero_shot": {"test": {k: scores[k] for k in ("mase_rel", "wql_rel")}}}
+        return {"zero_shot": {"test": relative_scores(scores)}}
 
     return zero_shot
 
@@ -426,8 +450,9 @@ def retained_forecasting(ctx: ArmContext) -> dict[str, Any]:
         for batch in _batches(windows, 64):
             context = T.left_pad_batch([w["context"] for w in batch], model.context_length)
             pieces.append(model_forecast(model, context, horizon, cfg.eval, levels))
-    scores = _scores(windows, {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}, levels)
-    return {"wql_rel": scores["wql_rel"], "mase_rel": scores["mase_rel"], "n_series": len(windows)}
+    scores = _scores(windows, {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}, levels,
+                     cfg.eval.baselines, model.context_length)
+    return {**relative_scores(scores), "n_series": len(windows)}
 
 
 FAMILY = Family(
@@ -443,6 +468,7 @@ FAMILY = Family(
                       description="zero-shot WQL (and MASE) relative to seasonal naive on series outside the "
                                   "fine-tuning task (retained.path, or held-out KernelSynth series: the pretraining "
                                   "distribution)"),
+    baselines=report_baselines,
 )
 run, evaluate = FAMILY.run, FAMILY.evaluate
 

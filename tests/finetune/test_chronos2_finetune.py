@@ -1,6 +1,8 @@
 """Chronos-2 fine-tuning with covariates on the experiment layer, its loss per sample, predict and errors."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 
@@ -22,9 +24,43 @@ LEVELS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 def lora_run(tmp_path_factory):
     """The shipped default (LoRA, past-only and known-future covariates) with a tiny max_steps."""
     runs = tmp_path_factory.mktemp("runs")
-    assert cli.main(["finetune", "chronos2", "--runs-dir", str(runs), "--name", "lora", *TINY]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(["finetune", "chronos2", "--runs-dir", str(runs), "--name", "lora", *TINY]) == 0
     folder = runs / "chronos2" / "lora"
+    (runs / "printed.txt").write_text(printed.getvalue())  # the command's table, for the tests below
     return folder, json.loads((folder / "report.json").read_text())
+
+
+def test_autoets_and_autotheta_are_scored_on_the_models_context_windows_and_shown_beside_the_arms(lora_run):
+    from statsforecast.models import AutoETS
+
+    from domainfm.experiment.forecast_metrics import mase
+
+    folder, report = lora_run
+    assert report["baselines"]["columns"] == {"seasonal naive": "naive", "AutoETS": "auto_ets", "AutoTheta": "auto_theta"}
+    # the printed table and report.md: one column per arm, then seasonal naive, AutoETS, AutoTheta
+    printed = (folder.parents[1] / "printed.txt").read_text()
+    header = next(line for line in printed.splitlines() if line.startswith("metric"))
+    assert header.split() == ["metric", "pretrained", "random", "seasonal", "naive", "AutoETS", "AutoTheta"]
+    markdown = (folder / "report.md").read_text()
+    assert "| metric | pretrained | random | seasonal naive | AutoETS | AutoTheta |" in markdown
+    assert "- **baselines**: seasonal naive and AutoETS, AutoTheta (statsforecast" in markdown
+    # AutoETS called directly on each item's target over the context the model sees (quarterly: season 4)
+    task = C2.build_task(_config(*TINY))
+    c, h = task.info["context_length"], 8
+    windows = task.test.windows()
+    contexts = [w["context"][-c:] for w in windows]
+    point = np.stack([AutoETS(season_length=4).forecast(y=y, h=h)["mean"] for y in contexts])
+    expected = mase(np.stack([w["future"] for w in windows]), point, [w["context"] for w in windows], 4)
+    for arm in report["arms"].values():
+        test = arm["test"]
+        assert test["target.auto_ets_mase"] == pytest.approx(expected, rel=1e-9)
+        assert test["auto_ets_mase_rel"] == pytest.approx(test["target.auto_ets_mase"] / test["target.naive_mase"])
+        assert test["auto_ets_fallback_windows"] == 0 and test["auto_theta_fallback_windows"] == 0
+        # the zero-shot protocol and the retained capability carry the baselines too
+        assert arm["zero_shot"]["test"]["auto_theta_wql_rel"] == test["auto_theta_wql_rel"]
+        assert arm["retained"]["auto_ets_wql_rel"] == arm["retained_before"]["auto_ets_wql_rel"] > 0
 
 
 def _config(*overrides: str) -> C2.Config:

@@ -76,12 +76,27 @@ def test_seasonal_naive_scores_one_relative_to_itself_and_baseline_only_scores()
     assert all(baseline[k] == pytest.approx(scores[k]) for k in baseline)
 
 
-def test_finetune_cli_writes_both_arms_evaluate_reproduces_and_predict_uses_the_first_arm(tmp_path):
+def test_finetune_cli_writes_both_arms_evaluate_reproduces_and_predict_uses_the_first_arm(tmp_path, capsys):
     # the test-sized model from random init (the default's shipped checkpoint is tested in models/)
     assert cli.main(["finetune", "wavetoken", "model.name=wavetoken-test", "model.pretrained=null", "train.max_steps=4", *TINY,
                      "--runs-dir", str(tmp_path), "--name", "f"]) == 0
     run = tmp_path / "wavetoken" / "f"
     report = json.loads((run / "report.json").read_text())
+    # the baselines a forecaster runs first, beside the arms: in the printed table and in report.md
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("metric"))
+    assert header.split() == ["metric", "pretrained", "random", "seasonal", "naive", "AutoETS", "AutoTheta"]
+    assert "| metric | pretrained | random | seasonal naive | AutoETS | AutoTheta |" in (run / "report.md").read_text()
+    # AutoTheta called directly on the context the model sees (its last context_length values; monthly: season 12)
+    from statsforecast.models import AutoTheta
+
+    cfg = cfgmod.from_dict(W.Config, cfgmod.load_yaml(run / "config.yaml"))
+    co2 = [w for w in W.build_task(cfg).test.windows if w["dataset"] == "co2_monthly"]
+    length = create_model("wavetoken-test").context_length
+    point = np.stack([AutoTheta(season_length=12).forecast(y=w["context"][-length:], h=12)["mean"] for w in co2])
+    expected = M.mase(np.stack([w["future"] for w in co2]), point, [w["context"] for w in co2], 12)
+    for result in report["arms"].values():
+        assert result["test"]["co2_monthly.auto_theta_mase"] == pytest.approx(expected, rel=1e-9)
+        assert result["zero_shot"]["test"]["auto_ets_wql_rel"] == result["test"]["auto_ets_wql_rel"]
     assert report["task"] == "forecast" and report["monitor"] == "val/wql_rel" and list(report["arms"]) == ["pretrained", "random"]
     for arm, result in report["arms"].items():
         assert result["init"].startswith("random") and result["steps"] == 4 and result["test"]["n_datasets"] == 6
