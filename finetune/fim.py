@@ -36,6 +36,7 @@ from domainfm.data_loaders.gapped_series import (BASELINES, GappedSeries, Holdou
                                                  gap_mask, interpolate_baseline, load_co2, masked_metrics, read_series,
                                                  to_dataframe)
 from domainfm.data_loaders.odebench import DEMO_SYSTEMS, ODEBENCH, simulate
+from domainfm.models.fim.fim import READOUTS
 from domainfm.engine import Recipe, TrainConfig
 from domainfm.experiment import ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData, apply
 from domainfm.experiment.inference import unit_interval
@@ -55,16 +56,17 @@ def _ode_cases(data, rng: np.random.Generator):
 # --------------------------------------------------------------------------- imputing
 
 def impute_series(model, times: np.ndarray, values: np.ndarray, observed: np.ndarray, *, window_points: int = 128,
-                  overlap: float = 0.25) -> dict[str, np.ndarray]:
+                  overlap: float = 0.25, readout: str | None = None) -> dict[str, np.ndarray]:
     """Impute one series on its own grid; FIM-ℓ with windows of about ``window_points`` points
-    when the series is longer (the local model is pretrained on 128-point grids)."""
+    when the series is longer (the local model is pretrained on 128-point grids). ``readout``:
+    ``official`` or ``pinned`` (through the observations); ``None``: the model's own."""
     windows = fim_windows(len(times), window_points, overlap)
     param = next(model.parameters())
     t = torch.as_tensor(times, dtype=param.dtype, device=param.device)
     v = torch.as_tensor(np.where(observed, values, np.nan), dtype=param.dtype, device=param.device)[None]
     o = torch.as_tensor(observed, device=param.device)[None]
     with torch.no_grad():
-        out = model.impute(t, v, o, t, windows=windows, overlap=overlap)
+        out = model.impute(t, v, o, t, windows=windows, overlap=overlap, readout=readout)
     return {"values": out["values"][0].double().cpu().numpy(), "windows": windows,
             "values_std": out["values_std"][0].double().cpu().numpy()}
 
@@ -82,6 +84,8 @@ class DataSection:
     gap_fraction: float = 0.2
     window_points: int = 128
     overlap: float = 0.25
+    #: official | pinned (the path through the observations); null: the model's own (its checkpoint's choice)
+    readout: str | None = None
     #: ODEBench grid: relative noise levels and subsampling rates
     noise: list[float] = field(default_factory=lambda: [0.0, 0.05])
     subsample: list[float] = field(default_factory=lambda: [0.0, 0.5])
@@ -98,6 +102,9 @@ class DataSection:
             raise ValueError("data.kind=series needs data.path (a CSV or Parquet file)")
         if not 0 < self.gap_fraction < 1 or not 0 < self.holdout_fraction < 1:
             raise ValueError("data.gap_fraction and data.holdout_fraction must be in (0, 1)")
+        if self.readout is not None and self.readout not in READOUTS:
+            raise ValueError(f"data.readout={self.readout!r}: expected one of {', '.join(READOUTS)} (or null: the "
+                             "model's own)")
 
 
 @dataclass
@@ -173,7 +180,8 @@ def build_task(cfg: Config) -> TaskData:
 def _score_case(model, times, clean, observed_input, hidden, data, noisy=None,
                 known=None) -> dict[str, dict[str, float]]:
     values = clean if noisy is None else noisy
-    ours = impute_series(model, times, values, observed_input, window_points=data.window_points, overlap=data.overlap)
+    ours = impute_series(model, times, values, observed_input, window_points=data.window_points, overlap=data.overlap,
+                         readout=data.readout)
     out = {"fim": masked_metrics(ours["values"], clean, hidden, known)}
     for kind in BASELINES:
         out[kind] = masked_metrics(interpolate_baseline(times, values, observed_input, kind), clean, hidden, known)
@@ -192,7 +200,8 @@ def imputation_protocol(ctx: ArmContext) -> dict[str, Any]:
     if data.kind == "demo":
         co2 = load_co2()
         t, v, obs = co2.times / 7.0, co2.values, co2.observed  # weeks
-        real = impute_series(model, t, v, obs, window_points=data.window_points, overlap=data.overlap)
+        real = impute_series(model, t, v, obs, window_points=data.window_points, overlap=data.overlap,
+                         readout=data.readout)
         hidden = gap_mask(len(t), 1, data.gap_fraction, rng, n_gaps=12) & obs
         results["co2_real_gaps"] = {"missing_weeks": int((~obs).sum()),
                                     "filled_finite": int(np.isfinite(real["values"][~obs]).sum()),
@@ -243,7 +252,8 @@ def retained_ode_imputation(ctx: ArmContext) -> dict[str, Any]:
     rng = np.random.default_rng(12345)  # the same gaps for every arm, before and after
     rows = {}
     for name, times, clean, hidden in _ode_cases(data, rng):
-        ours = impute_series(ctx.model, times, clean, ~hidden, window_points=data.window_points, overlap=data.overlap)
+        ours = impute_series(ctx.model, times, clean, ~hidden, window_points=data.window_points, overlap=data.overlap,
+                         readout=data.readout)
         rows[name] = masked_metrics(ours["values"], clean, hidden)
     return {"r2": float(np.mean([r["r2"] for r in rows.values()])),
             "mae": float(np.mean([r["mae"] for r in rows.values()])),
@@ -272,6 +282,10 @@ class ApplyOptions:
                                   type=unit_interval)
     plot: str | None = apply.option(None, "PNG of each channel's imputed path (default: OUTPUT with .png)",
                                     output=(".png",), default_from=".png")
+    readout: str | None = apply.option(None, "official (the paper's path x0 + integral of the drift) or pinned (that "
+                                             "path moved onto the observations); default: the model's own (official "
+                                             "for the published weights; domainfm's checkpoints record theirs)",
+                                       choices=READOUTS)
 
 
 def _read(source, settings, options: ApplyOptions) -> list[GappedSeries]:
@@ -309,7 +323,7 @@ def _predict(series: list[GappedSeries], model, settings, options: ApplyOptions,
         if windows is not None:
             check_windows(s, windows, options.overlap)  # a window with < 2 observed points: name it
         paths.append(impute_series(model, s.times, s.values, s.observed, window_points=options.window_points,
-                                   overlap=options.overlap))
+                                   overlap=options.overlap, readout=options.readout))
         frames.append(to_dataframe(s, paths[-1]["values"], paths[-1]["values_std"]))
         if len(series) > 1:
             frames[-1].insert(0, "item_id", s.item_id)

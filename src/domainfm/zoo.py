@@ -78,6 +78,10 @@ class WeightSource:
         overlaps: the public benchmarks whose data ``pretraining_data`` contains, by the names
             their papers use (``("TUAB", "TUEV")``): a result on one of them is not a held-out
             result for these weights. ``()`` with ``pretraining_data`` set: none known.
+        model_kwargs: keywords the variant is built with when these weights are loaded by
+            ``pretrained=True`` (or their tag), beneath the caller's own: a setting that is not a
+            weight but belongs to the checkpoint (an inference option it was measured best with), as
+            a ``save_pretrained`` folder records it in its config. ``{}``: the card's defaults.
     """
 
     url: str
@@ -92,8 +96,12 @@ class WeightSource:
     card: str | None = None
     pretraining_data: str = ""
     overlaps: tuple[str, ...] = ()
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
+        if not isinstance(self.model_kwargs, Mapping) or not all(isinstance(k, str) for k in self.model_kwargs):
+            raise ValueError(f"WeightSource({self.url!r}): model_kwargs must map keyword names to values, "
+                             f"got {self.model_kwargs!r}")
         if not isinstance(self.pretraining_data, str):
             raise ValueError(f"WeightSource({self.url!r}): pretraining_data must be a string (what the weights "
                              f"saw), got {type(self.pretraining_data).__name__}")
@@ -169,7 +177,9 @@ class ModelCard:
             "defaults": dict(self.defaults),
             "head": list(self.head),
             "tags": list(self.tags),
-            "weights": [dataclasses.asdict(w) for w in self.weights],
+            # model_kwargs only where a source has some (manifests written before it existed stay current)
+            "weights": [{k: v for k, v in dataclasses.asdict(w).items() if k != "model_kwargs" or v}
+                        for w in self.weights],
         }
 
 

@@ -184,3 +184,35 @@ def test_holdout_per_sample_loss_matches_the_step():
     per = recipe.per_sample_loss(model, batch)
     assert per.shape == (3,)
     torch.testing.assert_close(per.mean(), loss)
+
+
+def test_predict_readout_option_and_a_saved_models_own(tmp_path):
+    from domainfm import create_model, save_pretrained
+
+    df = _gapped_csv(tmp_path / "s.csv")
+    obs_a, obs_b = df["a"].notna().to_numpy(), df["b"].notna().to_numpy()
+    torch.manual_seed(0)
+    model = create_model("fim-imputation-test")
+    folder = save_pretrained(model, tmp_path / "official-model", card=False)
+    model.readout = "pinned"  # the same weights, saved with the pinned readout in their config
+    model.domainfm_kwargs = {**model.domainfm_kwargs, "readout": "pinned"}
+    pinned_folder = save_pretrained(model, tmp_path / "pinned-model", card=False)
+
+    def predict(folder, name, *extra):
+        assert cli.main(["predict", "fim", "--input", str(tmp_path / "s.csv"), "--model", str(folder),
+                         "--window-points", "40", "--output", str(tmp_path / name), *extra]) == 0
+        return pd.read_csv(tmp_path / name)
+
+    official, pinned = predict(folder, "official.csv"), predict(folder, "pinned.csv", "--readout", "pinned")
+    # pinned: the path passes through every observation (FIM-l, 2 windows here); the official path does not
+    np.testing.assert_allclose(pinned["a"][obs_a], df["a"][obs_a], atol=1e-6)
+    np.testing.assert_allclose(pinned["b"][obs_b], df["b"][obs_b], atol=1e-6)
+    assert np.abs(official["a"][obs_a] - df["a"][obs_a]).max() > 1e-2
+    np.testing.assert_allclose(pinned["a_std"], official["a_std"])  # only the path changes
+    # a saved model with readout=pinned in its config is pinned without the option, and the option wins
+    np.testing.assert_allclose(predict(pinned_folder, "own.csv")[["a", "b"]], pinned[["a", "b"]], rtol=1e-12)
+    np.testing.assert_allclose(predict(pinned_folder, "back.csv", "--readout", "official")[["a", "b"]],
+                               official[["a", "b"]], rtol=1e-12)
+    with pytest.raises(SystemExit):
+        cli.main(["predict", "fim", "--input", str(tmp_path / "s.csv"), "--model", str(folder), "--output",
+                  str(tmp_path / "x.csv"), "--readout", "snapped"])

@@ -111,3 +111,21 @@ def test_a_saved_model_keeps_its_readout(tmp_path):
     torch.testing.assert_close(out[observed], values[observed], atol=1e-5, rtol=0)
     # the caller's option still wins
     assert domainfm.create_model(folder, readout="official").readout == "official"
+
+
+def test_a_weight_source_carries_its_readout_beneath_the_callers_keywords(monkeypatch):
+    import dataclasses
+
+    from domainfm import zoo
+
+    card = zoo.get_card("fim-imputation-small")
+    shipped = zoo.weight_source("fim-imputation-small.synthetic-prior")
+    other = dataclasses.replace(shipped, model_kwargs={"readout": "pinned"})
+    monkeypatch.setattr(card, "weights", [other if w is shipped else w for w in card.weights])
+    assert domainfm.create_model("fim-imputation-small.synthetic-prior", pretrained=True).readout == "pinned"
+    assert domainfm.create_model("fim-imputation-small", pretrained=True).readout == "pinned"  # the first source
+    assert domainfm.create_model("fim-imputation-small.synthetic-prior", pretrained=True,
+                                 readout="official").readout == "official"
+    assert domainfm.create_model("fim-imputation-small").readout == "official"  # random init: the card's defaults
+    with pytest.raises(ValueError, match="model_kwargs must map keyword names"):
+        dataclasses.replace(shipped, model_kwargs=["readout"])

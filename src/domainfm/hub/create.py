@@ -90,9 +90,11 @@ def create_model(
         return _create_from_saved(path, config, kwargs)
     name = str(name)
     base, tag = zoo.split_tag(name)
-    model = zoo.build_model(base, **kwargs)
+    source = zoo.weight_source(name) if pretrained is True else None
+    # the keywords a card's own weights go with (e.g. an inference option), beneath the caller's
+    model = zoo.build_model(base, **{**(source.model_kwargs if source is not None else {}), **kwargs})
     if pretrained is True and tag is not None:  # "<model>.<tag>": that tag's source
-        pretrained = next(w.url for w in zoo.get_card(base).weights if w.tag == tag)
+        pretrained = source.url
     if pretrained is not False and pretrained is not None:
         load_pretrained(model, pretrained, card=base, converter=converter, sha256=sha256, strict=strict, progress=progress)
     return model
