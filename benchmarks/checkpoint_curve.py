@@ -11,7 +11,8 @@ adapt.mode=none``), beside the family's baselines:
   ODEBench grid (fraction of trajectories with R^2 > 0.9, vs the same baselines);
 * ``wavetoken``: zero-shot forecasts of the 14 shipped statsmodels series (held out of domainfm's
   pretraining), MASE and WQL relative to seasonal naive, geometric mean over the 6 datasets
-  (Chronos's aggregate);
+  (Chronos's aggregate), beside statsforecast's AutoETS and AutoTheta fitted on the same context
+  windows (the report's baselines; their fallbacks counted);
 * ``git``: the embedded default's task, held out of domainfm's pretraining (Solubility classes;
   ``--dataset mutag`` for MUTAG): in-context accuracy and full fine-tuning (3 seeds; the selection
   metric on val and test, ± its seed spread), against random init (``--baseline``: one extra run
@@ -93,8 +94,17 @@ def fim_row(report: dict) -> dict:
 
 
 def wavetoken_row(report: dict) -> dict:
+    """The checkpoint's test MASE and WQL relative to seasonal naive, then each baseline of the
+    report (AutoETS, AutoTheta: the same windows, the same context) on the same scale."""
     test = report["arms"]["pretrained"]["test"]
-    return {"MASE / seasonal naive": f"{test['mase_rel']:.3f}", "WQL / seasonal naive": f"{test['wql_rel']:.3f}"}
+    row = {"MASE / seasonal naive": f"{test['mase_rel']:.3f}", "WQL / seasonal naive": f"{test['wql_rel']:.3f}"}
+    for column, prefix in (report.get("baselines") or {}).get("columns", {}).items():
+        if prefix == "naive" or f"{prefix}_mase_rel" not in test:
+            continue
+        fallback = test.get(f"{prefix}_fallback_windows", 0)
+        row[f"{column} MASE / WQL (rel.)"] = (f"{test[f'{prefix}_mase_rel']:.3f} / {test[f'{prefix}_wql_rel']:.3f}"
+                                             + (f" ({fallback:.0f} windows by a fallback)" if fallback else ""))
+    return row
 
 
 def git_row(report: dict, arm: str = "pretrained") -> dict:
