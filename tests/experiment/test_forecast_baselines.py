@@ -152,6 +152,13 @@ def test_fallbacks_are_defined_and_labelled(monkeypatch):
     np.testing.assert_array_equal(fit.mean[0], np.full(H, long[-1]))  # naive: the last value
     assert B.FALLBACK_STEPS[2].startswith("naive")
     B._CACHE.clear()
+    # AutoARIMA (opt-in) never searches a season above ARIMA_MAX_SEASON (48: over 25 minutes on 7 series)
+    seasons = []
+    monkeypatch.setattr(models.AutoARIMA, "forecast",
+                        lambda self, y, h, **kw: seasons.append(self.season_length) or {"mean": np.zeros(h)})
+    assert B.baseline_forecast("auto_arima", [_monthly(100, seed=5)], H, 48, [0.5]).step.tolist() == [1]
+    assert B.baseline_forecast("auto_arima", [_monthly(100, seed=5)], H, 12, [0.5]).step.tolist() == [0]
+    assert seasons == [1, 12]
     # a context of one value: the non-seasonal models raise on it; naive still forecasts it
     fit = B.baseline_forecast("auto_ets", [np.array([3.0])], 2, 1, [0.1, 0.5, 0.9])
     assert fit.step.tolist() == [2] and np.all(fit.quantiles == 3.0)

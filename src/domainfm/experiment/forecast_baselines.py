@@ -22,7 +22,8 @@ Where the intervals are nested about the point forecast (always for AutoETS) not
 returns finite values:
 
 1. the model with the season (``season_length = m``), only when the context holds at least two
-   full seasons (``len >= 2 m``); with ``m = 1`` this step is the non-seasonal model itself;
+   full seasons (``len >= 2 m``) and, for AutoARIMA, ``m <= ARIMA_MAX_SEASON`` (24); with ``m = 1``
+   this step is the non-seasonal model itself;
 2. the model without a season (``season_length = 1``);
 3. statsforecast's ``Naive`` (the last value, intervals from its residuals);
 4. the last value at every quantile (no spread), for a context too short even for 3.
@@ -35,7 +36,7 @@ where any did), so that no figure silently comes from a different model than its
 **Cost.** statsforecast's import takes about 2 CPU-seconds; AutoETS about 0.1 s and AutoTheta
 0.01 s per window of ~100 monthly steps (measured on 2 cores). AutoARIMA is off by default: its
 first fit compiles for several seconds and a season of 48 ran for more than 25 minutes on 7 series
-(issue 34). Forecasts are cached per (baseline, context, horizon, season, levels), so that the same
+(issue 34), so its seasonal fit is capped at :data:`ARIMA_MAX_SEASON`. Forecasts are cached per (baseline, context, horizon, season, levels), so that the same
 windows scored again (every validation, the zero-shot protocol) are fitted once per process.
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["BASELINES", "DEFAULT_BASELINES", "FALLBACK_STEPS", "BaselineForecast", "baseline_forecast",
+__all__ = ["BASELINES", "DEFAULT_BASELINES", "FALLBACK_STEPS", "ARIMA_MAX_SEASON", "BaselineForecast", "baseline_forecast",
            "interval_levels", "check_baselines", "baseline_columns", "describe_baselines"]
 
 #: key -> (statsforecast model class name, display name)
@@ -59,6 +60,9 @@ BASELINES = {
 }
 #: the baselines every forecasting report shows unless its config says otherwise (AutoARIMA: opt-in)
 DEFAULT_BASELINES = ("auto_ets", "auto_theta")
+#: AutoARIMA's seasonal search above this season is skipped (a fallback, counted): a season of 48 ran for more
+#: than 25 minutes on 7 series (issue 34)
+ARIMA_MAX_SEASON = 24
 #: what each step of the fallback chain is (the index :func:`baseline_forecast` returns per window)
 FALLBACK_STEPS = ("as named (with the season when the context holds two)", "without season",
                   "naive (statsforecast Naive)", "last value, no spread")
@@ -196,7 +200,7 @@ def _forecast_one(name: str, y: np.ndarray, h: int, m: int, keys: list[str],
 
     seasonal = m > 1
     chain = []
-    if seasonal and len(y) >= 2 * m:
+    if seasonal and len(y) >= 2 * m and not (name == "auto_arima" and m > ARIMA_MAX_SEASON):
         chain.append((0, _model(name, m)))
     chain.append((1 if seasonal else 0, _model(name, 1)))
     chain.append((2, Naive()))
