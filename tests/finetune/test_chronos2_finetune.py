@@ -45,7 +45,7 @@ def test_autoets_and_autotheta_are_scored_on_the_models_context_windows_and_show
     assert header.split() == ["metric", "pretrained", "random", "seasonal", "naive", "AutoETS", "AutoTheta"]
     markdown = (folder / "report.md").read_text()
     assert "| metric | pretrained | random | seasonal naive | AutoETS | AutoTheta |" in markdown
-    assert "- **baselines**: seasonal naive and AutoETS, AutoTheta (statsforecast" in markdown
+    assert "- **baselines**: seasonal naive (on the whole context, as GluonTS) and AutoETS, AutoTheta" in markdown
     # AutoETS called directly on each item's target over the context the model sees (quarterly: season 4)
     task = C2.build_task(_config(*TINY))
     c, h = task.info["context_length"], 8

@@ -113,11 +113,12 @@ def describe_baselines(names: Sequence[str]) -> str:
     if not names:
         return "seasonal naive only (eval.baselines is empty)"
     shown = ", ".join(BASELINES[n][1] for n in names)
-    return (f"seasonal naive and {shown} (statsforecast {version('statsforecast')}), each fitted on every scored "
-            "window's own context with the season of the GluonTS rule; missing context values filled with the last "
-            "observed value; quantiles from the prediction intervals (q = 0.5: the point forecast); fallbacks "
-            "(counted in fallback_windows, per dataset where any): no season when the context holds under two "
-            "seasons or the seasonal fit fails, then naive, then the last value")
+    return (f"seasonal naive (on the whole context, as GluonTS) and {shown} (statsforecast "
+            f"{version('statsforecast')}), each fitted on every scored window's context as the model sees it, with "
+            "the season of the GluonTS rule; missing context values filled with the last observed value; quantiles "
+            "from the prediction intervals (q = 0.5: the point forecast; a bound crossing it is moved onto it); "
+            "fallbacks, counted in fallback_windows (per dataset where any): no season when the context holds under "
+            "two seasons or the seasonal fit fails, then naive, then the last value")
 
 
 def interval_levels(quantile_levels: Sequence[float]) -> list[tuple[float, str | None]]:
