@@ -610,3 +610,36 @@ def test_half_precision_base_gets_fp32_adapters_and_exact_unmerge():
     assert torch.equal(model[0].base_layer.weight[4:8], base[4:8])
     lora.unmerge(model)
     assert torch.equal(model[0].base_layer.weight, base)
+
+
+def test_a_config_naming_a_preset_gets_the_preset_settings_and_can_set_every_apply_option():
+    # adapt.lora.preset=explora used to become rank 8 / alpha 16 and lose the preset's unfreeze list:
+    # the config section passed its own defaults explicitly, and explicit values win in apply()
+    import domainfm
+    from domainfm import config as cfgmod
+    from domainfm.experiment.supervised import prepare_mode
+    from domainfm.lora.inject import wrappers
+    from domainfm.lora.settings import LoraSettings
+
+    model = domainfm.create_model("explora-test", n_outputs=3)
+    n_blocks = len(model.blocks)
+    settings = cfgmod.from_dict(LoraSettings, {"preset": "explora"})
+    prepare_mode(model, "lora", head="head", lora=settings)
+    wrapped = wrappers(model)
+    assert wrapped and {w.rank for w in wrapped.values()} == {64}
+    assert [w.scaling for w in wrapped.values()] == [pytest.approx(1.0 / 64)] * len(wrapped)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(n.startswith(f"blocks.{n_blocks - 1}.") for n in trainable)  # the preset's last block
+    assert "cls_token" in trainable and any(n.startswith("head.") for n in trainable)
+    # an explicit value still wins, and every apply option is settable from a config
+    model = domainfm.create_model("explora-test", n_outputs=3)
+    settings = cfgmod.from_dict(LoraSettings, {"preset": "explora", "rank": 4, "variant": "replora",
+                                               "replora_hidden": 12, "unfreeze": ["pos_embed"]})
+    prepare_mode(model, "lora", head="head", lora=settings)
+    wrapped = wrappers(model)
+    assert {w.rank for w in wrapped.values()} == {4}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "pos_embed" in trainable and "cls_token" in trainable  # the config's unfreeze adds to the preset's
+    assert {w.variant for w in wrapped.values()} == {"replora"}
+    hidden = {p.shape for w in wrapped.values() for n, p in w.named_parameters() if n.endswith("fc1.weight")}
+    assert hidden and all(shape[0] == 12 for shape in hidden)

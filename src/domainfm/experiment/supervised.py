@@ -53,9 +53,7 @@ def prepare_mode(model: nn.Module, mode: str, *, head: str | list[str] = "head",
         settings = lora or LoraSettings()
         if not settings.targets and settings.preset is None:
             raise ValueError("mode=lora needs lora.targets (module name patterns) or lora.preset")
-        kwargs = dict(rank=settings.rank, alpha=settings.alpha, dropout=settings.dropout, variant=settings.variant,
-                      use_rslora=settings.use_rslora, unfreeze=list(settings.unfreeze) + head_patterns)
-        L.apply(model, settings.targets or None, preset=settings.preset, **kwargs)
+        L.apply(model, **settings.apply_kwargs(model, extra_unfreeze=head_patterns))
         return model
     for name, p in model.named_parameters():
         p.requires_grad_(any(name == h or name.startswith(h + ".") for h in heads))
