@@ -30,7 +30,7 @@ DEFAULT_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 _TOKENIZER_KEYS = {
     "wavelet": ("vocab_size", "n_special_tokens", "pad_token_id", "eos_token_id", "use_eos_token", "context_length",
                 "wavelet", "wavelet_level", "wavelet_mode", "scaling", "low_limit", "high_limit", "threshold",
-                "threshold_rule", "fdr_q"),
+                "threshold_rule", "fdr_q", "scaling_window"),
     "chronos": ("low_limit", "high_limit", "n_special_tokens", "pad_token_id", "eos_token_id", "use_eos_token",
                 "context_length"),
 }

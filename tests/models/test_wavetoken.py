@@ -658,3 +658,41 @@ def test_short_future_trains_on_the_trained_layout():
     assert short.shape == full.shape == (2, 65)
     assert torch.equal(short, full)
     assert (short[:, :6] != -100).all()  # the approximation of the first 12 steps is learned
+
+
+def test_scaling_window_z_scores_the_recent_values():
+    # independent reference: numpy's mean/std over the last W observed values
+    g = np.random.default_rng(0)
+    t = np.arange(128, dtype=np.float64)
+    trend = 5 + 0.3 * t + g.normal(0, 1, 128)
+    gappy = trend.copy()
+    gappy[-20:-10] = np.nan
+    sparse = np.full(128, np.nan)
+    sparse[:50] = g.normal(size=50)
+    sparse[-1] = 3.0  # one observed value in the window: the whole context's statistics
+    context = torch.tensor(np.stack([trend, gappy, sparse]), dtype=torch.float32)
+    tok = WaveletTokenizer(context_length=128, scaling_window=32)
+    _, _, state = tok.encode_context(context)
+    for row, series in enumerate((trend, gappy)):
+        recent = series[-32:][~np.isnan(series[-32:])]
+        np.testing.assert_allclose(state.loc[row], recent.mean(), rtol=1e-5)
+        np.testing.assert_allclose(state.scale[row], recent.std(), rtol=1e-4)
+    whole = sparse[~np.isnan(sparse)]
+    np.testing.assert_allclose(state.loc[2], whole.mean(), rtol=1e-5)
+    np.testing.assert_allclose(state.scale[2], whole.std(), rtol=1e-4)
+    _, _, paper = WaveletTokenizer(context_length=128).encode_context(context)
+    np.testing.assert_allclose(paper.loc[0], trend.mean(), rtol=1e-5)  # None: the whole context (the paper's)
+    with pytest.raises(ValueError, match="scaling_window"):
+        WaveletTokenizer(context_length=128, scaling_window=1)
+
+
+def test_scaling_window_is_a_model_setting_that_round_trips(tmp_path):
+    kwargs = {"wavelet": "bior2.2", "wavelet_level": 1, "wavelet_mode": "periodization", "scaling": "standard",
+              "threshold": "none", "low_limit": -10.0, "high_limit": 10.0, "scaling_window": 16}
+    model = domainfm.create_model("wavetoken-test", tokenizer_kwargs=kwargs)
+    assert model.tokenizer.scaling_window == 16
+    domainfm.save_pretrained(model, tmp_path / "m", card=False)
+    again = domainfm.create_model(tmp_path / "m")
+    assert again.tokenizer.scaling_window == 16
+    context = torch.cat([torch.zeros(48), torch.linspace(10, 20, 16)])
+    torch.testing.assert_close(again.predict(context, 8, num_samples=3, seed=1), model.predict(context, 8, num_samples=3, seed=1))
