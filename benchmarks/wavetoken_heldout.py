@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--origins", type=int, default=3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--horizon", type=int, default=12)
+    parser.add_argument("--scaling-window", type=int, default=None,
+                        help="also each model with its tokenizer's scaling_window set to this (inference only)")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"CPU: {cpu_description()}; torch {torch.__version__}; {torch.get_num_threads()} thread(s)")
@@ -96,6 +98,11 @@ def main(argv=None) -> int:
     print(f"held out: {len(splits[0])} series of statsmodels_series.csv x {args.origins} origins, horizon {args.horizon}; "
           f"seeds {args.seeds}")
     models = {spec.partition("=")[0]: load(spec) for spec in args.models}
+    if args.scaling_window:
+        for spec in args.models:
+            model = load(spec)
+            model.tokenizer.scaling_window = args.scaling_window
+            models[f"{spec.partition('=')[0]} (scaling_window {args.scaling_window})"] = model
     from domainfm.experiment.forecast_metrics import forecast_scores
 
     for length in args.context_lengths:
