@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from domainfm.data_loaders.gapped_series import (BASELINES, GappedSeries, HoldoutWindows, check_windows, fim_windows,
+from domainfm.data_loaders.gapped_series import (BASELINES, GappedSeries, HoldoutWindows, fim_windows,
                                                  gap_mask, interpolate_baseline, load_co2, masked_metrics, read_series,
                                                  to_dataframe)
 from domainfm.data_loaders.odebench import DEMO_SYSTEMS, ODEBENCH, simulate
-from domainfm.models.fim.fim import READOUTS
+from domainfm.models.fim.fim import READOUTS, auto_window_count
 from domainfm.engine import Recipe, TrainConfig
 from domainfm.experiment import ArmContext, ExperimentConfig, Family, ModelSection, Retained, TaskData, apply
 from domainfm.experiment.inference import unit_interval
@@ -55,12 +55,19 @@ def _ode_cases(data, rng: np.random.Generator):
 
 # --------------------------------------------------------------------------- imputing
 
-def impute_series(model, times: np.ndarray, values: np.ndarray, observed: np.ndarray, *, window_points: int = 128,
-                  overlap: float = 0.25, readout: str | None = None) -> dict[str, np.ndarray]:
+def impute_series(model, times: np.ndarray, values: np.ndarray, observed: np.ndarray, *,
+                  window_points: int | None = 128, overlap: float = 0.25, readout: str | None = None
+                  ) -> dict[str, np.ndarray]:
     """Impute one series on its own grid; FIM-ℓ with windows of about ``window_points`` points
-    when the series is longer (the local model is pretrained on 128-point grids). ``readout``:
-    ``official`` or ``pinned`` (through the observations); ``None``: the model's own."""
-    windows = fim_windows(len(times), window_points, overlap)
+    when the series is longer (the local model is pretrained on 128-point grids); ``None``: the window
+    count from the observation density (``impute(windows="auto")``). A channel too sparse for its
+    windows gets fewer, larger ones. ``readout``: ``official`` or ``pinned`` (through the
+    observations); ``None``: the model's own."""
+    if window_points is None:
+        windows = auto_window_count(len(times), torch.as_tensor(np.asarray(observed))[None], overlap)
+        windows = None if windows == 1 else windows
+    else:
+        windows = fim_windows(len(times), window_points, overlap)
     param = next(model.parameters())
     t = torch.as_tensor(times, dtype=param.dtype, device=param.device)
     v = torch.as_tensor(np.where(observed, values, np.nan), dtype=param.dtype, device=param.device)[None]
@@ -82,7 +89,8 @@ class DataSection:
     channels: list[str] | None = None
     #: fraction of the observed points hidden (contiguous gaps) to score the imputation
     gap_fraction: float = 0.2
-    window_points: int = 128
+    #: points per FIM-ℓ window when imputing (null: from the observation density) and per fine-tuning window
+    window_points: int | None = 128
     overlap: float = 0.25
     #: official | pinned (the path through the observations); null: the model's own (its checkpoint's choice)
     readout: str | None = None
@@ -162,9 +170,9 @@ def build_task(cfg: Config) -> TaskData:
         series = read_series(data.path, time=data.time, channels=data.channels)
         info.update(source=data.path, n_series=len(series), channels=series[0].channels,
                     n_points=len(series[0].times), missing=int((~series[0].observed).sum()))
-        train = HoldoutWindows(series[0], data.n_train, data.holdout_fraction, data.seed, data.window_points)
-        val = HoldoutWindows(series[0], max(8, data.n_train // 8), data.holdout_fraction, data.seed + 1,
-                             data.window_points)
+        points = data.window_points or 128  # fine-tuning windows: the pretraining grid when imputing chooses
+        train = HoldoutWindows(series[0], data.n_train, data.holdout_fraction, data.seed, points)
+        val = HoldoutWindows(series[0], max(8, data.n_train // 8), data.holdout_fraction, data.seed + 1, points)
         return TaskData(train=train, val=val, task="imputation", labels="constructed: observed points hidden at random",
                         info=info, extras={"series": series})
     if data.kind == "odebench":
@@ -276,8 +284,9 @@ run, evaluate = FAMILY.run, FAMILY.evaluate
 @dataclass
 class ApplyOptions:
     time: str | None = apply.option(None, "time column (default: time/timestamp/date/t/ds, else the index)")
-    window_points: int = apply.option(128, "points per FIM-ℓ window: a longer series is imputed in overlapping "
-                                           "windows (the local model is pretrained on 128-point grids)")
+    window_points: int | None = apply.option(None, "points per FIM-ℓ window: a longer series is imputed in "
+                                                   "overlapping windows (default: from the observation density, about "
+                                                   "32 observations and at most 128 points per window)")
     overlap: float = apply.option(0.25, "fraction of a window shared with the previous one, in [0, 1)",
                                   type=unit_interval)
     plot: str | None = apply.option(None, "PNG of each channel's imputed path (default: OUTPUT with .png)",
@@ -319,9 +328,6 @@ def _predict(series: list[GappedSeries], model, settings, options: ApplyOptions,
         model = copy.deepcopy(model).double()
     frames, paths = [], []
     for s in series:
-        windows = fim_windows(len(s.times), options.window_points, options.overlap)
-        if windows is not None:
-            check_windows(s, windows, options.overlap)  # a window with < 2 observed points: name it
         paths.append(impute_series(model, s.times, s.values, s.observed, window_points=options.window_points,
                                    overlap=options.overlap, readout=options.readout))
         frames.append(to_dataframe(s, paths[-1]["values"], paths[-1]["values_std"]))

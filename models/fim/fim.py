@@ -22,7 +22,14 @@ renormalised to the original scale: ``f = f_n * range_x / range_t``, ``x_0 = x_{
 
 *FIM-ℓ* (``windows=K``) splits the observation grid into ``K`` equal windows that overlap by
 ``overlap`` of a window (``get_balanced_windows`` / ``get_overlapping_window_slices`` upstream),
-runs the local model on each window and blends the windows linearly where they overlap. The
+runs the local model on each window and blends the windows linearly where they overlap.
+Sparse data (ours; the official code fails or divides by a zero range there): a row (one channel of
+one series) whose windows would not all hold at least two observations is imputed with the most
+windows ``K' < K`` for which they all do (down to the local model alone), so a long gap merges
+windows instead of failing; rows whose ``K`` windows are all populated are imputed exactly as
+upstream. ``windows="auto"`` picks ``K`` from the observation density (:func:`auto_window_count`:
+windows of about 32 observations, the middle of the prior's 8-64, and at most 128 points, the
+pretraining grid); the series' time scale (cycles per window) is not estimated. The
 official code evaluates every window on padded tensors; here each window is evaluated on its own
 observations and evaluation points only (padded at the end to the longest window, which changes
 no output: the integration runs forward and the trunk is pointwise), with identical outputs.
@@ -69,6 +76,8 @@ __all__ = [
     "balanced_windows",
     "overlapping_window_slices",
     "window_eval_bounds",
+    "auto_window_count",
+    "merged_window_counts",
     "blend_windows",
     "forward_fill",
     "missing_from_observed",
@@ -227,6 +236,40 @@ def overlapping_window_slices(grid_size: int, n_windows: int, size: int, stride:
     (it absorbs rounding), as in the official ``get_overlapping_window_slices``."""
     starts = [i * stride for i in range(n_windows - 1)] + [grid_size - size]
     return torch.tensor([[s, s + size] for s in starts], dtype=torch.long)
+
+
+def merged_window_counts(missing: Tensor, n_windows: int, overlap: float, min_observed: int = 2) -> Tensor:
+    """Per row of ``missing (N, T)`` (True = missing), the most windows ``<= n_windows`` whose every window
+    holds ``min_observed`` observations (1 when none does: the local model). **Shapes:** -> ``(N,)`` long."""
+    n, t_len = missing.shape
+    cum = F.pad((~missing).long().cumsum(dim=1), (1, 0))
+    counts = torch.ones(n, dtype=torch.long, device=missing.device)
+    todo = torch.ones(n, dtype=torch.bool, device=missing.device)
+    for k in range(n_windows, 1, -1):
+        size, stride = balanced_windows(t_len, k, overlap)
+        slices = overlapping_window_slices(t_len, k, size, stride).to(missing.device)
+        ok = ((cum[:, slices[:, 1]] - cum[:, slices[:, 0]]) >= min_observed).all(dim=1) & todo
+        counts[ok] = k
+        todo &= ~ok
+        if not todo.any():
+            break
+    return counts
+
+
+def auto_window_count(t_len: int, observed: Tensor, overlap: float = 0.25, per_window: float = 32.0,
+                      max_points: int = 128) -> int:
+    """FIM-ℓ's window count from the observation density: windows of ``per_window / density`` points
+    (about ``per_window`` observations each; density = the observed share of ``observed``, any shape with
+    time on axis 1), at most ``max_points``; the count whose balanced window size is closest to that."""
+    density = float(observed.float().mean())
+    if density <= 0:
+        return 1
+    want = min(float(max_points), per_window / density)
+    if t_len <= want:
+        return 1
+    guess = 1 + (t_len / want - 1) / (1 - overlap)
+    candidates = {max(1, min(t_len, k)) for k in (math.floor(guess), math.ceil(guess))}
+    return min(sorted(candidates), key=lambda k: abs(balanced_windows(t_len, k, overlap)[0] - want))
 
 
 def forward_fill(x: Tensor, observed: Tensor) -> Tensor:
@@ -459,6 +502,20 @@ class FIMImputer(nn.Module):
         n, t_len = times.shape
         g = eval_times.shape[1]
         size, stride = balanced_windows(t_len, n_windows, overlap)
+        counts = merged_window_counts(missing, n_windows, overlap)
+        if (counts != n_windows).any():  # sparse rows: fewer, larger windows (see the module docstring)
+            keys = ("values", "values_std", "drift_mean", "drift_std", "drift_log_std", "init_mean", "init_std")
+            result = {}
+            for k in counts.unique().tolist():
+                rows = (counts == k).nonzero().flatten()
+                args = (times[rows], values[rows], missing[rows], eval_times[rows])
+                part = (self.local(*args) if k == 1 else
+                        self.windowed(*args, k, overlap, pad_to_full_grid=pad_to_full_grid))
+                for key in keys:
+                    if key not in result:
+                        result[key] = part[key].new_zeros((n, *part[key].shape[1:]))
+                    result[key][rows] = part[key]
+            return result
         slices = overlapping_window_slices(t_len, n_windows, size, stride).to(times.device)
         observed = ~missing
         lo, hi = window_eval_bounds(forward_fill(times, observed), slices)
@@ -468,14 +525,6 @@ class FIMImputer(nn.Module):
 
         obs_idx = slices[:, :1] + torch.arange(size, device=times.device)  # (W, size)
         win_missing = missing[:, obs_idx]  # (N, W, size)
-        empty = win_missing.all(dim=-1)
-        if empty.any():
-            row, w = empty.nonzero()[0].tolist()
-            s, e = slices[w].tolist()
-            raise FIMInputError(
-                f"window {w} of {n_windows} (time points {s}..{e - 1}, times {float(times[row, s]):g}.."
-                f"{float(times[row, e - 1]):g}) of series row {row} has no observed point: use fewer windows "
-                "or a larger overlap")
         win_times, win_values = times[:, obs_idx], values[:, obs_idx]
         length = g if pad_to_full_grid else max(int(count.max()), 1)
         if pad_to_full_grid and size < t_len:
@@ -507,7 +556,8 @@ class FIMImputer(nn.Module):
     # ----------------------------------------------------------------- public API
 
     def impute(self, times: Tensor, values: Tensor, observed: Tensor, eval_times: Tensor, *,
-               windows: int | None = None, overlap: float = 0.25, readout: str | None = None) -> dict[str, Tensor]:
+               windows: int | str | None = None, overlap: float = 0.25, readout: str | None = None
+               ) -> dict[str, Tensor]:
         """Impute every channel of ``values`` at ``eval_times`` (channels independently).
 
         Args:
@@ -516,7 +566,8 @@ class FIMImputer(nn.Module):
             observed: bool like ``values``, True where a value was observed.
             eval_times: ``(L,)``, ``(B, L)`` or ``(B, L, 1)``, increasing; the path starts at
                 ``eval_times[0]`` (the initial condition is predicted there).
-            windows: ``None`` for the local model on the whole series; ``K`` for FIM-ℓ.
+            windows: ``None`` for the local model on the whole series; ``K`` for FIM-ℓ (rows too sparse
+                for ``K`` windows get fewer); ``"auto"``: ``K`` from the observation density.
             overlap: fraction of a window overlapping the previous one (FIM-ℓ).
             readout: ``"official"`` or ``"pinned"`` (the path moved onto the observations, after
                 FIM-ℓ's blending); ``None``: the model's own (``self.readout``).
@@ -531,6 +582,11 @@ class FIMImputer(nn.Module):
         row_times = times[:, None, :].expand(-1, d, -1).reshape(b * d, t_len)
         row_eval = eval_times[:, None, :].expand(-1, d, -1).reshape(b * d, eval_times.shape[1])
         missing = missing_from_observed(rows(observed))
+        if windows == "auto":
+            windows = auto_window_count(t_len, observed, overlap)
+            windows = None if windows == 1 else windows
+        elif isinstance(windows, str):
+            raise FIMInputError(f"windows={windows!r}; expected None, a window count or 'auto'")
         if windows is None:
             out = self.local(row_times, rows(values), missing, row_eval)
         else:

@@ -133,14 +133,22 @@ def test_predict_bad_input_names_file_column_row(tmp_path, capsys):
     assert cli.main(["predict", "fim", "--input", str(tmp_path / "bad.csv"), "--output", str(tmp_path / "o.csv"),
                      "--model", "fim-imputation-test", "--pretrained", "none"]) == 2
     assert re.search(r"bad.csv, column 'time', row 4: times are not sorted", capsys.readouterr().err)
+
+
+def test_predict_sparse_series_merges_windows_instead_of_failing(tmp_path):
+    # a 45-row hole: with windows of 20 points, whole windows hold no observation; this failed until
+    # issue 35 (GappedSeriesError "has no observed point"); now those rows get fewer, larger windows
     t = np.arange(100.0)
-    a = np.sin(t)
+    a = np.sin(0.1 * t)
     a[30:75] = np.nan
     pd.DataFrame({"time": t, "a": a}).to_csv(tmp_path / "holes.csv", index=False)
-    with pytest.raises(GappedSeriesError, match=r"holes.csv, column 'a': window \d+ of \d+ \(rows .* has no observed point"):
-        cli.main(["--debug", "predict", "fim", "--input", str(tmp_path / "holes.csv"), "--output", str(tmp_path / "o.csv"),
-                  "--model", "fim-imputation-test", "--pretrained", "none", "--window-points", "20"])
-    assert not (tmp_path / "o.csv").exists()  # nothing half-written
+    for extra in (["--window-points", "20"], []):  # given, and chosen from the observation density
+        out = tmp_path / f"o{len(extra)}.csv"
+        assert cli.main(["predict", "fim", "--input", str(tmp_path / "holes.csv"), "--output", str(out),
+                         "--model", "fim-imputation-test", "--pretrained", "none", "--readout", "pinned", *extra]) == 0
+        got = pd.read_csv(out)
+        assert got["a"].notna().all()
+        np.testing.assert_allclose(got["a"][~np.isnan(a)], a[~np.isnan(a)], atol=1e-6)
 
 
 def test_finetune_on_a_users_series(tmp_path):
