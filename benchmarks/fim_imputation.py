@@ -87,19 +87,27 @@ def impute_both(model, times: np.ndarray, values: np.ndarray, observed: np.ndarr
     return out
 
 
-def score_rows(model, times, noisy, clean, observed, scale=None) -> dict[str, float]:
+def score_rows(model, times, noisy, clean, observed, scale=None, baselines=True) -> dict[str, float]:
     """Mean over rows of the MAE on hidden points (divided by ``scale`` per row when given)."""
     preds = impute_both(model, times, noisy, observed)
-    for kind in BASELINES:
+    for kind in BASELINES if baselines else ():
         preds[kind] = np.stack([interpolate_baseline(times, noisy[i][:, None], observed[i][:, None], kind)[:, 0]
                                 for i in range(len(noisy))])
     hidden = ~observed
     scale = np.ones(len(noisy)) if scale is None else scale
     return {m: float(np.mean([np.abs(preds[m][i] - clean[i])[hidden[i]].mean() / scale[i] for i in range(len(noisy))]))
-            for m in METHODS}
+            for m in preds}
 
 
-def prior_table(model, args) -> dict[str, dict[str, list[float]]]:
+def _with_baselines(table: dict, cell: str, scores: dict[str, list[float]], reuse: dict | None) -> None:
+    """``table[cell]``: the FIM scores, and the baselines' scored now or taken from ``reuse`` (a previous
+    run's table over the same series and patterns: the baselines do not depend on the checkpoint)."""
+    if reuse is not None:
+        scores = {**scores, **{k: reuse[cell][k] for k in BASELINES}}
+    table[cell] = {m: scores[m] for m in METHODS}
+
+
+def prior_table(model, args, reuse=None) -> dict[str, dict[str, list[float]]]:
     prior = PriorSection(noise_max=args.noise_max, regular_fraction=0.0)
     draws = [sample_prior(args.series, prior, seed=HELD_OUT_SEED + s) for s in range(args.seeds)]
     table = {}
@@ -109,8 +117,9 @@ def prior_table(model, args) -> dict[str, dict[str, list[float]]]:
             for s, d in enumerate(draws):
                 rng = np.random.default_rng([HELD_OUT_SEED, s, n_obs, PATTERNS.index(pattern)])
                 observed = pattern_mask(pattern, n_obs, args.series, rng)
-                per_seed.append(score_rows(model, d["times"], d["noisy"], d["values"], observed))
-            table[f"{pattern}/{n_obs}"] = {m: [r[m] for r in per_seed] for m in METHODS}
+                per_seed.append(score_rows(model, d["times"], d["noisy"], d["values"], observed,
+                                           baselines=reuse is None))
+            _with_baselines(table, f"{pattern}/{n_obs}", {m: [r[m] for r in per_seed] for m in per_seed[0]}, reuse)
             print(f"  prior {pattern}/{n_obs}: " + ", ".join(f"{m} {np.mean(table[f'{pattern}/{n_obs}'][m]):.4f}"
                                                              for m in METHODS), flush=True)
     return table
@@ -128,7 +137,7 @@ ODE_SYSTEMS = {  # name: (f, consts, init, t_end)
 }
 
 
-def ode_table(model, args) -> dict[str, dict[str, list[float]]]:
+def ode_table(model, args, reuse=None) -> dict[str, dict[str, list[float]]]:
     table = {}
     for name, (f, consts, init, t_end) in ODE_SYSTEMS.items():
         times, clean = simulate(f, consts, init, t_end=t_end, n_points=GRID)
@@ -138,8 +147,9 @@ def ode_table(model, args) -> dict[str, dict[str, list[float]]]:
             for s in range(args.seeds):
                 rng = np.random.default_rng([HELD_OUT_SEED, s, 32, PATTERNS.index(pattern), 7])
                 observed = pattern_mask(pattern, 32, len(rows), rng)
-                per_seed.append(score_rows(model, times, rows, rows, observed, scale=rows.std(axis=1)))
-            table[f"{name}/{pattern}"] = {m: [r[m] for r in per_seed] for m in METHODS}
+                per_seed.append(score_rows(model, times, rows, rows, observed, scale=rows.std(axis=1),
+                                           baselines=reuse is None))
+            _with_baselines(table, f"{name}/{pattern}", {m: [r[m] for r in per_seed] for m in per_seed[0]}, reuse)
             print(f"  ode {name}/{pattern}: " + ", ".join(f"{m} {np.mean(table[f'{name}/{pattern}'][m]):.4f}"
                                                          for m in METHODS), flush=True)
     return table
@@ -167,16 +177,26 @@ def main(argv=None) -> int:
     parser.add_argument("--noise-max", type=float, default=0.1, help="prior noise, fraction of each path's std")
     parser.add_argument("--no-ode", action="store_true")
     parser.add_argument("--json", default=None, help="write the per-seed figures here")
+    parser.add_argument("--reuse-baselines", default=None,
+                        help="a previous --json with the same --series/--seeds/--noise-max: its linear/spline/GP "
+                             "figures (they do not depend on the checkpoint) instead of fitting them again")
     args = parser.parse_args(argv)
+    reuse = None
+    if args.reuse_baselines:
+        reuse = json.loads(Path(args.reuse_baselines).read_text())
+        setup = {k: getattr(args, k) for k in ("series", "seeds", "noise_max")} | {"held_out_seed": HELD_OUT_SEED}
+        if {k: reuse.get(k) for k in setup} != setup:
+            raise SystemExit(f"--reuse-baselines {args.reuse_baselines}: measured on {({k: reuse.get(k) for k in setup})}"
+                             f", not on this run's {setup}")
     torch.set_num_threads(1)
     start = time.time()
     model = load_model(args).double()
     print(f"model {args.weights or args.model} (readout recorded: {model.readout}); {platform.processor() or ''} "
           f"torch {torch.__version__}", flush=True)
     out = {"model": args.weights or args.model, "series": args.series, "seeds": args.seeds,
-           "noise_max": args.noise_max, "held_out_seed": HELD_OUT_SEED, "prior": prior_table(model, args)}
+           "noise_max": args.noise_max, "held_out_seed": HELD_OUT_SEED, "prior": prior_table(model, args, reuse and reuse["prior"])}
     if not args.no_ode:
-        out["ode"] = ode_table(model, args)
+        out["ode"] = ode_table(model, args, reuse and reuse.get("ode"))
     out["wall_s"] = time.time() - start
     print("\nHeld-out prior draws (pattern / observed of 128): MAE on hidden points, mean ± std over seeds\n")
     print(markdown(out["prior"], "pattern / observed"))
