@@ -440,6 +440,9 @@ def test_chronos_bolt_finetunes_predicts_and_embeds_through_the_same_paths(tmp_p
     for key in ("mase_rel", "wql_rel", "loss"):
         assert np.isfinite(arm["test"][key]) and arm["test"][key] > 0
     assert np.isfinite(arm["zero_shot"]["test"]["wql_rel"]) and arm["retained"]["n_series"] == 8
+    # the quantile forecaster's report has the same baselines beside it (the same windows as the token models')
+    assert list(report["baselines"]["columns"]) == ["seasonal naive", "AutoETS", "AutoTheta"]
+    assert arm["zero_shot"]["test"]["auto_ets_wql_rel"] == arm["test"]["auto_ets_wql_rel"] > 0
     assert report["retained_before"]["wql_rel"] == arm["retained_before"]["wql_rel"]
     logged = [json.loads(line) for line in (run / "pretrained" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("split") == "train" and np.isfinite(r["loss"]) for r in logged)
