@@ -143,3 +143,23 @@ def test_baseline_kind_is_checked():
     t = np.linspace(0.0, 1.0, 8)
     with pytest.raises(ValueError, match="kind='cubic'.*linear.*spline.*gp"):
         interpolate_baseline(t, t[:, None], np.ones((8, 1), bool), "cubic")
+
+
+def test_gp_baseline_on_a_long_series_fits_its_kernel_on_a_subsample():
+    from sklearn.gaussian_process import GaussianProcessRegressor
+    from sklearn.gaussian_process.kernels import RBF, WhiteKernel
+
+    from domainfm.data_loaders import gapped_series as gs
+
+    t = np.linspace(0.0, 1.0, 1000)
+    x = np.sin(12 * t)[:, None]
+    obs = np.ones_like(x, dtype=bool)
+    obs[500:540] = False
+    out = gs.interpolate_baseline(t, x, obs, "gp")[:, 0]
+    to, xo = t[obs[:, 0]], x[obs[:, 0], 0]
+    sub = np.unique(np.linspace(0, len(to) - 1, gs.GP_FIT_POINTS).round().astype(int))
+    fitted = GaussianProcessRegressor(RBF(0.1, (1e-3, 1e3)) + WhiteKernel(1e-2, (1e-8, 1e1)), normalize_y=True,
+                                      random_state=0).fit(to[sub, None], xo[sub]).kernel_
+    want = GaussianProcessRegressor(fitted, normalize_y=True, optimizer=None).fit(to[:, None], xo).predict(t[:, None])
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    assert np.abs(out - x[:, 0])[~obs[:, 0]].max() < 1e-2  # a smooth 40-point gap, filled
