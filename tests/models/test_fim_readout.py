@@ -129,3 +129,15 @@ def test_a_weight_source_carries_its_readout_beneath_the_callers_keywords(monkey
     assert domainfm.create_model("fim-imputation-small").readout == "official"  # random init: the card's defaults
     with pytest.raises(ValueError, match="model_kwargs must map keyword names"):
         dataclasses.replace(shipped, model_kwargs=["readout"])
+
+
+def test_shipped_checkpoint_records_the_pinned_readout_and_official_weights_keep_theirs(monkeypatch, tmp_path):
+    from domainfm import zoo
+
+    monkeypatch.setenv("DOMAINFM_OFFLINE", "1")
+    monkeypatch.setenv("DOMAINFM_HOME", str(tmp_path))
+    # domainfm's own checkpoint: the readout its card measured better, with no option
+    assert domainfm.create_model("fim-imputation-small.synthetic-prior", pretrained=True).readout == "pinned"
+    # the published weights: the paper's readout (their sources carry no keywords)
+    for name in ("fim-imputation-base.fim4science", "fim-imputation-temporal.fim4science"):
+        assert dict(zoo.weight_source(name).model_kwargs) == {}
