@@ -643,3 +643,30 @@ def test_a_config_naming_a_preset_gets_the_preset_settings_and_can_set_every_app
     assert {w.variant for w in wrapped.values()} == {"replora"}
     hidden = {p.shape for w in wrapped.values() for n, p in w.named_parameters() if n.endswith("fc1.weight")}
     assert hidden and all(shape[0] == 12 for shape in hidden)
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_readme_lora_example_saves_a_folder_that_loads_and_predicts_the_same(tmp_path, merged):
+    # README's Python API: lora.apply -> (train) -> save_adapter + save_pretrained; the folder used
+    # to hold base_layer/lora_A keys that create_model refused ("missing keys")
+    import domainfm
+
+    torch.manual_seed(0)
+    model = domainfm.create_model("cbramod-test", n_outputs=4, n_chans=4)
+    lora.apply(model, ["*self_attn_*proj", "*linear1", "*linear2"], rank=8, alpha=16)  # as README
+    with torch.no_grad():  # stands for training: non-zero adapters
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.eval()
+    x = torch.randn(2, 4, model.n_times)
+    expected = model(x)
+    lora.save_adapter(model, tmp_path / "adapter")
+    if merged:
+        lora.merge(model)
+    domainfm.save_pretrained(model, tmp_path / "my-model")
+    loaded = domainfm.create_model(tmp_path / "my-model").eval()
+    torch.testing.assert_close(loaded(x), expected, rtol=1e-4, atol=1e-5)
+    assert not any("lora_" in k or "base_layer" in k for k in loaded.state_dict())
+    torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-5)  # the live model keeps its adapters
+    assert lora.inject.wrappers(model)

@@ -26,6 +26,23 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"model keyword value {value!r} ({type(value).__name__}) cannot be written to JSON")
 
 
+def _without_adapters(model: nn.Module) -> nn.Module:
+    """``model`` itself, or, when it holds LoRA adapters (merged or not), a copy with each adapter
+    folded into its base weight and the wrappers removed: the variant's own key layout, which
+    ``create_model(folder)`` loads. The caller's model keeps its adapters."""
+    import copy
+
+    from domainfm.lora.inject import merge, unmerge, wrappers
+
+    found = wrappers(model)
+    if not found:
+        return model
+    plain = copy.deepcopy(model)
+    if any(w.merged for w in wrappers(plain).values()):
+        unmerge(plain)  # back to base + adapter, then one merge of every adapter (in fp32)
+    return merge(plain, unload=True)
+
+
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, report: Mapping[str, Any] | None = None,
                     arm: str | None = None, card: bool = True) -> Path:
     """Write ``model.safetensors`` + ``config.json`` so that ``create_model(directory)`` rebuilds it,
@@ -33,8 +50,10 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, report: M
     and ``arm`` are passed on to it, ``card=False`` skips it). The folder can be uploaded as is
     (``hf upload user/repo DIR``) and loaded back with ``create_model("hf://user/repo")``.
 
-    The model must come from :func:`create_model` (it remembers its variant and keywords). Both
-    files are written through :mod:`domainfm.atomic`, so a crash leaves no half-written file.
+    The model must come from :func:`create_model` (it remembers its variant and keywords). A model
+    with LoRA adapters is saved with them merged into its weights (the adapters themselves:
+    :func:`domainfm.lora.save_adapter`); ``model`` is not changed. Both files are written through
+    :mod:`domainfm.atomic`, so a crash leaves no half-written file.
     """
     from safetensors.torch import save_model
 
@@ -58,7 +77,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, report: M
     # weights first, then the config that records their digest: a crash in between leaves a
     # folder whose digest check fails loudly, never one that loads the wrong weights silently
     with atomic_path(directory / WEIGHTS_NAME) as tmp_weights:
-        save_model(model, str(tmp_weights), metadata={"format": "pt", OWN_METADATA_KEY: name})
+        save_model(_without_adapters(model), str(tmp_weights), metadata={"format": "pt", OWN_METADATA_KEY: name})
         config["domainfm"]["sha256"] = sha256_file(tmp_weights)
     atomic_write_text(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     if card:
