@@ -136,6 +136,7 @@ def test_finetune_cli_writes_both_arms_evaluate_reproduces_and_predict_uses_the_
     assert cli.main(["evaluate", str(run)]) == 0
     evaluation = json.loads((run / "evaluation.json").read_text())
     assert evaluation["max_abs_diff_val"] < 1e-6
+    assert evaluation["baselines"] == report["baselines"]  # evaluate prints the same baseline columns
     for key, value in report["arms"]["random"]["test"].items():  # seeded sampling: the same numbers
         assert evaluation["arms"]["random"]["test"][key] == pytest.approx(value, abs=1e-6)
 

@@ -256,6 +256,8 @@ class Family(RobustArms, ArmRunner):
         report = folder.read_report()
         task = self.data(cfg)
         out: dict[str, Any] = {"family": self.name, "arms": {}}
+        if report.get("baselines"):  # the same baseline columns beside the re-scored arms
+            out["baselines"] = report["baselines"]
         worst = 0.0
         for arm, recorded in report["arms"].items():
             if "derived_from" in recorded:
