@@ -19,7 +19,8 @@ against the clean path; lower is better.
   32 of 128 points observed (random and central-gap patterns, no noise); MAE divided by each channel's std
   (so channels of different units average), mean over channels and ``--seeds`` patterns.
 
-The local model runs on the whole 128-point grid (no FIM-ℓ windows).
+The local model runs on the whole 128-point grid; the ODE table is repeated with FIM-ℓ at ``--ode-windows``
+windows (default 4: about half a cycle of the oscillators per window).
 
 Usage::
 
@@ -75,21 +76,23 @@ def load_model(args) -> torch.nn.Module:
     return model.eval()
 
 
-def impute_both(model, times: np.ndarray, values: np.ndarray, observed: np.ndarray) -> dict[str, np.ndarray]:
-    """Rows of one channel each: the official and the pinned readout, ``(n, T)`` float64."""
+def impute_both(model, times: np.ndarray, values: np.ndarray, observed: np.ndarray, windows=None
+                ) -> dict[str, np.ndarray]:
+    """Rows of one channel each: the official and the pinned readout, ``(n, T)`` float64 (FIM-ℓ with
+    ``windows``; rows too sparse for them get fewer)."""
     t = torch.as_tensor(times, dtype=torch.float64)
     v = torch.as_tensor(np.where(observed, values, np.nan), dtype=torch.float64)
     o = torch.as_tensor(observed)
     out = {}
     with torch.no_grad():
         for name, readout in (("fim", "official"), ("fim_pinned", "pinned")):
-            out[name] = model.impute(t, v, o, t, readout=readout)["values"].numpy()
+            out[name] = model.impute(t, v, o, t, windows=windows, readout=readout)["values"].numpy()
     return out
 
 
-def score_rows(model, times, noisy, clean, observed, scale=None, baselines=True) -> dict[str, float]:
+def score_rows(model, times, noisy, clean, observed, scale=None, baselines=True, windows=None) -> dict[str, float]:
     """Mean over rows of the MAE on hidden points (divided by ``scale`` per row when given)."""
-    preds = impute_both(model, times, noisy, observed)
+    preds = impute_both(model, times, noisy, observed, windows)
     for kind in BASELINES if baselines else ():
         preds[kind] = np.stack([interpolate_baseline(times, noisy[i][:, None], observed[i][:, None], kind)[:, 0]
                                 for i in range(len(noisy))])
@@ -137,7 +140,7 @@ ODE_SYSTEMS = {  # name: (f, consts, init, t_end)
 }
 
 
-def ode_table(model, args, reuse=None) -> dict[str, dict[str, list[float]]]:
+def ode_table(model, args, reuse=None, windows=None) -> dict[str, dict[str, list[float]]]:
     table = {}
     for name, (f, consts, init, t_end) in ODE_SYSTEMS.items():
         times, clean = simulate(f, consts, init, t_end=t_end, n_points=GRID)
@@ -148,9 +151,9 @@ def ode_table(model, args, reuse=None) -> dict[str, dict[str, list[float]]]:
                 rng = np.random.default_rng([HELD_OUT_SEED, s, 32, PATTERNS.index(pattern), 7])
                 observed = pattern_mask(pattern, 32, len(rows), rng)
                 per_seed.append(score_rows(model, times, rows, rows, observed, scale=rows.std(axis=1),
-                                           baselines=reuse is None))
+                                           baselines=reuse is None, windows=windows))
             _with_baselines(table, f"{name}/{pattern}", {m: [r[m] for r in per_seed] for m in per_seed[0]}, reuse)
-            print(f"  ode {name}/{pattern}: " + ", ".join(f"{m} {np.mean(table[f'{name}/{pattern}'][m]):.4f}"
+            print(f"  ode {name}/{pattern} (windows {windows}): " + ", ".join(f"{m} {np.mean(table[f'{name}/{pattern}'][m]):.4f}"
                                                          for m in METHODS), flush=True)
     return table
 
@@ -176,6 +179,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--noise-max", type=float, default=0.1, help="prior noise, fraction of each path's std")
     parser.add_argument("--no-ode", action="store_true")
+    parser.add_argument("--no-prior", action="store_true")
+    parser.add_argument("--ode-windows", type=int, default=4,
+                        help="the ODE table also with FIM-ℓ at this many windows (0: local model only)")
     parser.add_argument("--json", default=None, help="write the per-seed figures here")
     parser.add_argument("--reuse-baselines", default=None,
                         help="a previous --json with the same --series/--seeds/--noise-max: its linear/spline/GP "
@@ -194,15 +200,21 @@ def main(argv=None) -> int:
     print(f"model {args.weights or args.model} (readout recorded: {model.readout}); {platform.processor() or ''} "
           f"torch {torch.__version__}", flush=True)
     out = {"model": args.weights or args.model, "series": args.series, "seeds": args.seeds,
-           "noise_max": args.noise_max, "held_out_seed": HELD_OUT_SEED, "prior": prior_table(model, args, reuse and reuse["prior"])}
+           "noise_max": args.noise_max, "held_out_seed": HELD_OUT_SEED, }
+    if not args.no_prior:
+        out["prior"] = prior_table(model, args, reuse and reuse["prior"])
     if not args.no_ode:
         out["ode"] = ode_table(model, args, reuse and reuse.get("ode"))
+        if args.ode_windows > 1:
+            out[f"ode_w{args.ode_windows}"] = ode_table(model, args, reuse and reuse.get("ode"), args.ode_windows)
     out["wall_s"] = time.time() - start
-    print("\nHeld-out prior draws (pattern / observed of 128): MAE on hidden points, mean ± std over seeds\n")
-    print(markdown(out["prior"], "pattern / observed"))
-    if "ode" in out:
-        print("\nODE systems, 32 of 128 observed: MAE / channel std on hidden points, mean ± std over seeds\n")
-        print(markdown(out["ode"], "system / pattern"))
+    if "prior" in out:
+        print("\nHeld-out prior draws (pattern / observed of 128): MAE on hidden points, mean ± std over seeds\n")
+        print(markdown(out["prior"], "pattern / observed"))
+    for key in [k for k in out if k.startswith("ode")]:
+        local = "the local model" if key == "ode" else f"FIM-ℓ, {key[5:]} windows"
+        print(f"\nODE systems, 32 of 128 observed, {local}: MAE / channel std on hidden points, mean ± std over seeds\n")
+        print(markdown(out[key], "system / pattern"))
     print(f"\nwall {out['wall_s']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
