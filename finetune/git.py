@@ -11,10 +11,13 @@ Task embeddings (:mod:`domainfm.models.git.tasks`, as the official fine-tuning c
 on task-trees without virtual roots (fan-out 10 for node training batches, 30 for edges, every
 neighbour for evaluation) or on whole graphs. In-context episodes, zero-shot against the class
 texts and SFT (:mod:`domainfm.models.git.in_context`) look at each arm's encoder before
-fine-tuning. Link prediction (``data.task: link``) holds out edges against random non-edges and
-scores ``pooling_lin(z[u]) . pooling_lin(z[v]) / sqrt(hidden)``. Few-shot fine-tuning:
-``data.few_shot_k``. Metrics: accuracy for node and edge tasks, ROC-AUC for (binary) graph
-classification and link prediction (the selection metric unless ``train.monitor`` is set).
+fine-tuning; each repeat (``adapt.seeds``) draws its own in-context episodes (with the repeat's
+seed) unless ``protocols.episode_seed`` fixes them, so the report's in-context figures read mean ±
+std over episode draws. ``data.seed`` chooses the split of the datasets without a fixed one. Link
+prediction (``data.task: link``) holds out edges against random non-edges and scores
+``pooling_lin(z[u]) . pooling_lin(z[v]) / sqrt(hidden)``. Few-shot fine-tuning: ``data.few_shot_k``.
+Metrics: accuracy for node and edge tasks, ROC-AUC for (binary) graph classification and link
+prediction (the selection metric unless ``train.monitor`` is set).
 
 Retained capability (forgetting): in-context accuracy of each arm's encoder on the shipped graphs
 it is *not* fine-tuned on, before and after fine-tuning (:func:`retained_in_context`).
@@ -74,6 +77,10 @@ class ProtocolSection:
     k_shot: int = 3
     n_query: int = 3
     n_episodes: int = 20
+    # null: the episodes of each repeat are drawn with the repeat's seed (train.seed + adapt.seeds[k]),
+    # so the report's ± on in-context figures is their spread over episode draws (and, for random
+    # init, over initialisations); an int draws the same episodes in every repeat
+    episode_seed: int | None = None
     sft_steps: int = 50
     sft_lr: float = 1e-4
 
@@ -162,8 +169,9 @@ def in_context_protocol(ctx: ArmContext) -> dict[str, Any]:
     p, ds, fanout = ctx.cfg.protocols, ctx.task.extras["dataset"], ctx.cfg.data.eval_fanout
     out: dict[str, Any] = {}
     if p.in_context:
+        seed = ctx.seed if p.episode_seed is None else p.episode_seed
         out["in_context"] = in_context(ctx.model, ds, n_way=p.n_way, k_shot=p.k_shot, n_query=p.n_query,
-                                       n_episodes=p.n_episodes, seed=ctx.cfg.data.seed, fanout=fanout)
+                                       n_episodes=p.n_episodes, seed=seed, fanout=fanout)
     if p.sft:
         model = specialise(ctx.model, ds, ctx.task.collate_fn, steps=p.sft_steps, lr=p.sft_lr, seed=ctx.seed,
                            batch_size=ctx.cfg.train.batch_size, accelerator=ctx.cfg.train.accelerator,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -208,3 +209,39 @@ def test_resuming_a_finished_experiment_reuses_its_stage(tmp_path):
                     "train.max_epochs=1", "train.resume=true", name="res")
     assert (run / "stages" / "0-git" / "metrics.jsonl").read_bytes() == stage_log
     assert again["arms"]["pretrained"]["test"] == pytest.approx(report["arms"]["pretrained"]["test"], abs=1e-6)
+
+
+def _protocol(ds, model, seed, **protocols):
+    from types import SimpleNamespace
+
+    from domainfm.experiment import TaskData
+    from domainfm.finetune import git as FG
+
+    cfg = FG.Config(protocols=FG.ProtocolSection(n_way=3, k_shot=2, n_query=3, n_episodes=10, **protocols))
+    task = TaskData(None, None, extras={"dataset": ds})
+    return FG.in_context_protocol(SimpleNamespace(cfg=cfg, seed=seed, model=model, task=task))["in_context"]
+
+
+def test_in_context_episodes_follow_each_repeats_seed_unless_fixed():
+    ds = _toy_node_dataset(n_per_class=20)
+    ds.x = torch.rand(ds.x.shape, generator=torch.Generator().manual_seed(3))
+    model = _identity_git(6)  # features without class signal: accuracy depends on which episodes are drawn
+    episodes = dict(n_way=3, k_shot=2, n_query=3, n_episodes=10)
+    per_seed = [_protocol(ds, model, seed)["accuracy"] for seed in (0, 1, 2)]
+    assert per_seed == [FT.in_context(model, ds, seed=s, **episodes)["accuracy"] for s in (0, 1, 2)]
+    assert len(set(per_seed)) > 1  # the repeats drew different episodes
+    fixed = [_protocol(ds, model, seed, episode_seed=7)["accuracy"] for seed in (0, 1, 2)]
+    assert fixed == [FT.in_context(model, ds, seed=7, **episodes)["accuracy"]] * 3
+
+
+def test_finetune_report_gives_the_in_context_spread_over_episode_seeds(tmp_path, capsys):
+    _, report = _cli(tmp_path, "data.dataset=karate", "arms=[pretrained]", "adapt.mode=none", "adapt.seeds=[0, 1, 2]",
+                     "protocols.n_episodes=6", "protocols.k_shot=2", "protocols.n_query=2", "retained.datasets=[]",
+                     name="spread")
+    arm = report["arms"]["pretrained"]
+    runs = [r["in_context"]["accuracy"] for r in arm["seeds"]]
+    assert [r["seed"] for r in arm["seeds"]] == [0, 1, 2] and len(set(runs)) > 1  # one encoder, three episode draws
+    assert arm["in_context"]["accuracy"] == pytest.approx(float(np.mean(runs)))
+    assert arm["in_context_std"]["accuracy"] == pytest.approx(float(np.std(runs, ddof=1)))
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("in_context.accuracy "))
+    assert row.split()[-3:] == [f"{np.mean(runs):.4f}", "±", f"{np.std(runs, ddof=1):.4f}"]
