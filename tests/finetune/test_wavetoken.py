@@ -392,7 +392,7 @@ def test_bf16_forecasts_stay_within_the_documented_tolerance_of_fp32(saved_model
     from domainfm.precision import autocast
 
     _, test = T.split_by_time(T.load_sample(), 12, min_context=2)
-    ev = W.EvalSection(num_samples=100, seed=0)  # 20 samples: the ratio is mostly sampling noise
+    ev = W.EvalSection(num_samples=400, seed=0)  # fewer samples: the ratio is mostly sampling noise (each sample path decodes the whole 64-step token layout, so one flipped token moves all its steps)
     levels = W._with_median(ev.quantile_levels)
     for name, folder in saved_models.items():
         model = create_model(folder).eval()
@@ -417,7 +417,7 @@ def test_bf16_forecasts_stay_within_the_documented_tolerance_of_fp32(saved_model
         assert 0 < rel < W.BF16_TOLERANCE["logits_rel"], (name, rel)  # bf16 was applied, and stayed close
         for key in ("wql_rel", "mase_rel"):
             ratio = scores["bf16-mixed"][key] / scores["32-true"][key] - 1
-            assert abs(ratio) < W.BF16_TOLERANCE["score_rel"], (name, key, ratio)
+            assert abs(ratio) < W.BF16_TOLERANCE["score_rel"], (name, key, ratio, scores)
     # predict() applies the precision it is given
     folder = saved_models["wavetoken-test"]
     fp32 = W.predict(SHIPPED, folder, prediction_length=4, num_samples=4, precision="32-true")
