@@ -78,6 +78,7 @@ __all__ = [
     "window_eval_bounds",
     "auto_window_count",
     "merged_window_counts",
+    "windows_fit",
     "blend_windows",
     "forward_fill",
     "missing_from_observed",
@@ -238,6 +239,14 @@ def overlapping_window_slices(grid_size: int, n_windows: int, size: int, stride:
     return torch.tensor([[s, s + size] for s in starts], dtype=torch.long)
 
 
+def windows_fit(t_len: int, n_windows: int, overlap: float) -> bool:
+    """Whether the ``n_windows`` balanced windows stay on a ``t_len``-point grid: for some counts the official
+    rounding (window size and stride each rounded) puts the second-to-last window past the grid's end
+    (e.g. 61, 68 or 93 windows on 2,284 points)."""
+    size, stride = balanced_windows(t_len, n_windows, overlap)
+    return (n_windows - 2) * stride + size <= t_len if n_windows > 1 else True
+
+
 def merged_window_counts(missing: Tensor, n_windows: int, overlap: float, min_observed: int = 2) -> Tensor:
     """Per row of ``missing (N, T)`` (True = missing), the most windows ``<= n_windows`` whose every window
     holds ``min_observed`` observations (1 when none does: the local model). **Shapes:** -> ``(N,)`` long."""
@@ -246,6 +255,8 @@ def merged_window_counts(missing: Tensor, n_windows: int, overlap: float, min_ob
     counts = torch.ones(n, dtype=torch.long, device=missing.device)
     todo = torch.ones(n, dtype=torch.bool, device=missing.device)
     for k in range(n_windows, 1, -1):
+        if not windows_fit(t_len, k, overlap):
+            continue
         size, stride = balanced_windows(t_len, k, overlap)
         slices = overlapping_window_slices(t_len, k, size, stride).to(missing.device)
         ok = ((cum[:, slices[:, 1]] - cum[:, slices[:, 0]]) >= min_observed).all(dim=1) & todo
@@ -269,6 +280,11 @@ def auto_window_count(t_len: int, observed: Tensor, overlap: float = 0.25, per_w
         return 1
     guess = 1 + (t_len / want - 1) / (1 - overlap)
     candidates = {max(1, min(t_len, k)) for k in (math.floor(guess), math.ceil(guess))}
+    for k in sorted(candidates):  # a count whose windows run past the grid: its nearest neighbours that fit
+        if not windows_fit(t_len, k, overlap):
+            candidates |= {next(j for j in range(k - 1, 0, -1) if windows_fit(t_len, j, overlap)),
+                           next((j for j in range(k + 1, t_len + 1) if windows_fit(t_len, j, overlap)), 1)}
+    candidates = {k for k in candidates if windows_fit(t_len, k, overlap)}
     return min(sorted(candidates), key=lambda k: abs(balanced_windows(t_len, k, overlap)[0] - want))
 
 
@@ -502,6 +518,10 @@ class FIMImputer(nn.Module):
         n, t_len = times.shape
         g = eval_times.shape[1]
         size, stride = balanced_windows(t_len, n_windows, overlap)
+        if not windows_fit(t_len, n_windows, overlap):
+            raise FIMInputError(f"windows={n_windows} on {t_len} time points: the balanced windows (size {size}, stride "
+                                f"{stride}) run past the last point (the official rounding); use {n_windows - 1} or "
+                                f"{n_windows + 1} windows, or windows='auto'")
         counts = merged_window_counts(missing, n_windows, overlap)
         if (counts != n_windows).any():  # sparse rows: fewer, larger windows (see the module docstring)
             keys = ("values", "values_std", "drift_mean", "drift_std", "drift_log_std", "init_mean", "init_std")

@@ -77,3 +77,24 @@ def test_impute_windows_auto(model):
         want = model.impute(t, values, observed, t, windows=k)["values"]
     assert k > 1
     torch.testing.assert_close(auto, want, rtol=0, atol=0)
+
+
+def test_window_counts_whose_windows_run_past_the_grid_are_avoided_or_named(model):
+    from domainfm.models.fim import FIMInputError
+    from domainfm.models.fim.fim import auto_window_count, merged_window_counts, windows_fit
+
+    # the official rounding puts the second-to-last of 93 windows past the end of 2,284 points (CO2's length)
+    size, stride = balanced_windows(2284, 93, 0.25)
+    assert (size, stride) == (33, 25) and 91 * 25 + 33 > 2284 and not windows_fit(2284, 93, 0.25)
+    dense = torch.ones(1, 2284, 1, dtype=torch.bool)
+    dense[0, ::40] = False  # density 0.975: about 93 windows wanted
+    k = auto_window_count(2284, dense, 0.25)
+    assert windows_fit(2284, k, 0.25) and abs(k - 93) <= 2
+    missing = torch.zeros(2, 2284, dtype=torch.bool)
+    missing[1, 100:400] = True  # row 1 cannot keep 97 windows; no count that runs past the grid is chosen
+    counts = merged_window_counts(missing, 97, 0.25).tolist()
+    assert counts[0] == 97 and counts[1] < 97 and windows_fit(2284, counts[1], 0.25)
+    t = torch.arange(300, dtype=torch.float64)
+    bad = next(k for k in range(2, 300) if not windows_fit(300, k, 0.25))
+    with pytest.raises(FIMInputError, match=f"windows={bad} on 300 time points: the balanced windows"):
+        model.impute(t, torch.sin(t)[None, :, None], torch.ones(1, 300, 1, dtype=torch.bool), t, windows=bad)
