@@ -284,9 +284,9 @@ run, evaluate = FAMILY.run, FAMILY.evaluate
 @dataclass
 class ApplyOptions:
     time: str | None = apply.option(None, "time column (default: time/timestamp/date/t/ds, else the index)")
-    window_points: int | None = apply.option(None, "points per FIM-ℓ window: a longer series is imputed in "
-                                                   "overlapping windows (default: from the observation density, about "
-                                                   "32 observations and at most 128 points per window)")
+    window_points: int = apply.option(128, "points per FIM-ℓ window: a longer series is imputed in overlapping "
+                                           "windows (the local model is pretrained on 128-point grids); a channel "
+                                           "too sparse for them gets fewer, larger windows")
     overlap: float = apply.option(0.25, "fraction of a window shared with the previous one, in [0, 1)",
                                   type=unit_interval)
     plot: str | None = apply.option(None, "PNG of each channel's imputed path (default: OUTPUT with .png)",

@@ -24,12 +24,15 @@ renormalised to the original scale: ``f = f_n * range_x / range_t``, ``x_0 = x_{
 ``overlap`` of a window (``get_balanced_windows`` / ``get_overlapping_window_slices`` upstream),
 runs the local model on each window and blends the windows linearly where they overlap.
 Sparse data (ours; the official code fails or divides by a zero range there): a row (one channel of
-one series) whose windows would not all hold at least two observations is imputed with the most
-windows ``K' < K`` for which they all do (down to the local model alone), so a long gap merges
+one series) whose windows would not all hold at least eight observations (the prior's minimum) is
+imputed with the most windows ``K' < K`` for which they all do (down to the local model alone), so a long gap merges
 windows instead of failing; rows whose ``K`` windows are all populated are imputed exactly as
 upstream. ``windows="auto"`` picks ``K`` from the observation density (:func:`auto_window_count`:
 windows of about 32 observations, the middle of the prior's 8-64, and at most 128 points, the
-pretraining grid); the series' time scale (cycles per window) is not estimated. The
+pretraining grid); the series' time scale (cycles per window) is not estimated. It is not the default
+anywhere: on weekly CO2 with 12 artificial gaps of ~38 weeks it chose 74 windows (63 after merging) and
+scored 10.4 ppm (official readout) / 87 ppm (pinned) against 3.5 / 2.5 ppm with 128-point windows, because a
+window holding observations on one side of a long gap only extrapolates across it. The
 official code evaluates every window on padded tensors; here each window is evaluated on its own
 observations and evaluation points only (padded at the end to the longest window, which changes
 no output: the integration runs forward and the trunk is pointwise), with identical outputs.
@@ -247,9 +250,13 @@ def windows_fit(t_len: int, n_windows: int, overlap: float) -> bool:
     return (n_windows - 2) * stride + size <= t_len if n_windows > 1 else True
 
 
-def merged_window_counts(missing: Tensor, n_windows: int, overlap: float, min_observed: int = 2) -> Tensor:
+def merged_window_counts(missing: Tensor, n_windows: int, overlap: float, min_observed: int = 8) -> Tensor:
     """Per row of ``missing (N, T)`` (True = missing), the most windows ``<= n_windows`` whose every window
-    holds ``min_observed`` observations (1 when none does: the local model). **Shapes:** -> ``(N,)`` long."""
+    holds ``min_observed`` observations (1 when none does: the local model). 8 is the prior's fewest observed
+    points per window: a window with 2-3 observations at one end of a long gap is normalised by their tiny
+    range and its path, extended across the gap to meet the next window, runs off by hundreds of times the
+    data's range (CO2 with 72 windows: MAE 160 ppm; with the 8-observation rule the windows merge instead).
+    **Shapes:** -> ``(N,)`` long."""
     n, t_len = missing.shape
     cum = F.pad((~missing).long().cumsum(dim=1), (1, 0))
     counts = torch.ones(n, dtype=torch.long, device=missing.device)

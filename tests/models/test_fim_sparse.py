@@ -1,5 +1,5 @@
 """FIM-ℓ on sparse data: a window without observations no longer fails; rows whose windows would hold
-fewer than two observations are imputed with fewer, larger windows (merged), other rows as before; the
+fewer than eight observations are imputed with fewer, larger windows (merged), other rows as before; the
 window count follows the observation density when none is given."""
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ def model():
 
 
 def _fewest_ok(observed_row: np.ndarray, n_windows: int, overlap: float) -> int:
-    """Independent restatement: the most windows <= n_windows whose every window holds >= 2 observations."""
+    """Independent restatement: the most windows <= n_windows whose every window holds >= 8 observations."""
     for k in range(n_windows, 0, -1):
         size, stride = balanced_windows(len(observed_row), k, overlap)
         slices = overlapping_window_slices(len(observed_row), k, size, stride).tolist()
-        if all(observed_row[s:e].sum() >= 2 for s, e in slices):
+        if all(observed_row[s:e].sum() >= 8 for s, e in slices):
             return k
     return 1
 
@@ -30,7 +30,7 @@ def _fewest_ok(observed_row: np.ndarray, n_windows: int, overlap: float) -> int:
 def test_fim_l_with_a_window_without_observations_merges_windows(model):
     t = torch.linspace(0, 10, 160, dtype=torch.float64)
     values = torch.stack([torch.sin(t), torch.cos(0.7 * t) + 1, 0.1 * t], dim=0)[..., None]  # (3, 160, 1)
-    observed = torch.rand(3, 160, 1, generator=torch.Generator().manual_seed(0)) < 0.4
+    observed = torch.rand(3, 160, 1, generator=torch.Generator().manual_seed(0)) < 0.6
     observed[1, 40:100] = False  # row 1: a 60-point hole swallows whole windows of 8
     observed[2, 60:] = False  # row 2: nothing after point 60
     observed[:, 0] = True
