@@ -15,7 +15,7 @@ Usage::
 
     python benchmarks/wavetoken_heldout.py wavetoken-micro.kernelsynth-tsmixup wavetoken-micro.real-mix \\
         --random wavetoken-micro --context-lengths 24 48 96 256
-    python benchmarks/wavetoken_heldout.py NAME=PATH/TO/save_pretrained_folder ...
+    python benchmarks/wavetoken_heldout.py step2000=PATH/TO/save_pretrained_folder ...
 
 Prints the CPU, one table per context length, and the training-compute rows of the checkpoints.
 """
@@ -58,12 +58,13 @@ def origin_windows(horizon: int, origins: int) -> list[list[dict]]:
 
 
 def load(spec: str):
+    """``NAME`` (a registered tag, its weights) or ``LABEL=PATH`` (a save_pretrained folder)."""
     import domainfm
 
-    name, _, path = spec.partition("=")
+    label, _, path = spec.partition("=")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return domainfm.create_model(name, pretrained=path or True).eval()
+        return (domainfm.create_model(path) if path else domainfm.create_model(label, pretrained=True)).eval()
 
 
 def model_scores(model, windows: list[dict], horizon: int, context_length: int, seed: int) -> dict[str, float]:
@@ -83,7 +84,7 @@ def summary(values: list[float]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("models", nargs="*", help="registered tags (pretrained=True) or NAME=PATH folders")
+    parser.add_argument("models", nargs="*", help="registered tags (pretrained=True) or LABEL=PATH folders")
     parser.add_argument("--random", default=None, help="also this variant at random init (one init per seed)")
     parser.add_argument("--context-lengths", type=int, nargs="+", default=[24, 48, 96, 256])
     parser.add_argument("--origins", type=int, default=3)

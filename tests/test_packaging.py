@@ -132,7 +132,8 @@ def test_every_shipped_checkpoint_is_package_data_with_its_digest_and_card():
     shipped = [(name, w) for name in zoo.list_models() for w in zoo.get_card(name).weights
                if w.url.startswith(hub.PACKAGE_SCHEME)]
     assert {f"{n}.{w.tag}" for n, w in shipped} >= {"fim-imputation-small.synthetic-prior",
-                                                    "wavetoken-micro.kernelsynth-tsmixup", "git-small.graph-mixture"}
+                                                    "wavetoken-micro.kernelsynth-tsmixup", "wavetoken-micro.real-mix",
+                                                    "git-small.graph-mixture"}
     for name, source in shipped:
         path = hub.package_path(source.url)
         assert hub.sha256_file(path) == source.sha256, f"{name}.{source.tag}: {path} does not match its pinned sha256"

@@ -146,7 +146,22 @@ _register_wavetoken("test", _TEST_T5, context_length=64, prediction_length=16, t
 #: WaveToken-micro: domainfm's own size (1.05M parameters, context 256), the architecture of the
 #: checkpoint domainfm trains on a CPU (configs/wavetoken/pretrain_micro_kernelsynth.yaml); not a paper size
 MICRO_T5 = dict(d_model=128, num_layers=2, num_heads=4, d_kv=32, d_ff=512)
+#: the tokenizer settings the real-mix checkpoint was trained and measured with (scaling over the last 64 values)
+REAL_MIX_TOKENIZER = {"wavelet": "bior2.2", "wavelet_level": 1, "wavelet_mode": "periodization", "scaling": "standard",
+                      "threshold": "none", "low_limit": -10.0, "high_limit": 10.0, "scaling_window": 64}
 _register_wavetoken("micro", MICRO_T5, context_length=256, prediction_length=64, weights=[WeightSource(
+    "package://domainfm.models.wavetoken/weights/wavetoken-micro.real-mix.safetensors",
+    sha256="0c3d4893101fc023cc056a61d826a02f17f9d75db5ebe11f2aad92ad07955caf", tag="real-mix",
+    license="Apache-2.0", card="package://domainfm.models.wavetoken/weights/wavetoken-micro.real-mix.md",
+    description="trained by domainfm, not the published weights: kernelsynth-tsmixup continued 3,000 steps with real "
+                "series in TSMixup and the tokenizer scaling over the last 64 values "
+                "(configs/wavetoken/pretrain_micro_real_mix.yaml); see the card",
+    pretraining_data="8,000 KernelSynth synthetic series (Chronos Alg. 2) and TSMixup (Chronos Alg. 1) with half of its "
+                     "components drawn from 459 real series: statsmodels' fertility (World Bank), danish_data, "
+                     "interest_inflation; M1 yearly (Monash archive), Daphnet gait accelerometry (UCI), EEGMMIDB "
+                     "S001R02 EEG (PhysioNet), shipped in data_loaders/samples; none of the 14 held-out series of the "
+                     "package's statsmodels_series.csv",
+    overlaps=("M1",), model_kwargs={"tokenizer_kwargs": REAL_MIX_TOKENIZER}), WeightSource(
     "package://domainfm.models.wavetoken/weights/wavetoken-micro.kernelsynth-tsmixup.safetensors",
     sha256="923725ede9c7711266c386baf12c8b18465d0b8400a7eed0a8ec45d1fac59fdd", tag="kernelsynth-tsmixup",
     license="Apache-2.0", card="package://domainfm.models.wavetoken/weights/wavetoken-micro.kernelsynth-tsmixup.md",
