@@ -23,27 +23,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+from checkpoint_curve import cpu_description  # noqa: E402  (benchmarks/ is the script's folder: on sys.path)
 
 BASELINES = ("auto_ets", "auto_theta")
 LEVELS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
-
-
-def cpu_description() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        model = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
-        have = set(next(line for line in info.splitlines() if line.startswith("flags")).split())
-        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have)
-    except (OSError, StopIteration):
-        model, flags = platform.processor() or "unknown CPU", ""
-    return f"{model} [{flags}], {os.cpu_count()} logical CPUs"
 
 
 def origin_windows(horizon: int, origins: int) -> list[list[dict]]:
