@@ -25,7 +25,6 @@ import argparse
 import os
 import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
