@@ -38,6 +38,7 @@ def test_the_card_figure_is_mean_and_sample_std_over_every_run(curve):
     assert row.endswith(f"; gain over random init {np.mean(diff):+.3f} ± {np.std(diff, ddof=1):.3f}, ahead in 4/6")
 
 
+@pytest.mark.slow
 def test_split_seed_changes_the_split_and_episode_seed_the_episodes(curve, tmp_path, monkeypatch):
     """Every in-context figure of the protocol is the run of the default's command with that split
     (data.seed) and episode seed; the same encoder on another split or seed scores differently.

@@ -181,6 +181,7 @@ def test_link_prediction_split_holds_out_edges():
         G.link_prediction_split(G.load_nations(G.HashingTextEncoder(384)))
 
 
+@pytest.mark.slow
 def test_finetune_cli_link_prediction_over_seeds(tmp_path):
     run, report = _cli(tmp_path, "data.dataset=karate", "data.task=link", "arms=[pretrained]",
                        "protocols.n_episodes=3", "train.max_epochs=2", "train.batch_size=32", "adapt.seeds=[0, 5]",
@@ -197,6 +198,7 @@ def test_finetune_cli_link_prediction_over_seeds(tmp_path):
     assert evaluation["arms"]["pretrained"]["test"]["roc_auc"] == pytest.approx(runs[0], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_experiment_reuses_its_stage(tmp_path):
     run, report = _cli(tmp_path, "data.dataset=karate", "train.monitor=val/accuracy", "protocols.in_context=false", "arms=[pretrained]",
                        "train.max_epochs=1", name="res")

@@ -159,6 +159,7 @@ def test_finetune_cli_writes_both_arms_evaluate_reproduces_and_predict_uses_the_
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "same.csv", parse_dates=["timestamp"]), pred)
 
 
+@pytest.mark.slow
 def test_reported_validation_describes_the_selected_model_not_the_last_evaluation(tmp_path):
     # Defect (old finetune/wavetoken.py): val_* came from the LAST evaluation while the model was
     # reloaded at the best step. Force best != last: n_datasets is constant, so the first
